@@ -1,0 +1,33 @@
+"""blockscale: block-scaled low-precision formats (NVFP4, MXFP8/MXFP4, S2F6) for PyTorch.
+
+    import blockscale as bs
+    q = bs.quantize(x, bs.NVFP4(scale_rule="4over6"))
+    x_hat = q.dequantize()
+"""
+from .quant import (
+    MX,
+    NVFP4,
+    S2F6,
+    TE_SIGNS_16,
+    QuantizedTensor,
+    dequantize,
+    fake_quantize,
+    get_backend,
+    hadamard,
+    hadamard_matrix,
+    inverse_hadamard,
+    quantize,
+    random_signs,
+    set_backend,
+    swizzle_scales,
+    unswizzle_scales,
+    use_backend,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MX", "NVFP4", "S2F6", "QuantizedTensor", "TE_SIGNS_16", "dequantize", "fake_quantize", "get_backend",
+    "hadamard", "hadamard_matrix", "inverse_hadamard", "quantize", "random_signs", "set_backend",
+    "swizzle_scales", "unswizzle_scales", "use_backend",
+]

@@ -1,0 +1,84 @@
+"""Reference (eager) vs fast (torch.compile) execution of the quantizer kernels.
+
+Every kernel is written once, as eager torch code: that code is the specification. The fast path
+compiles the same function with TorchInductor (which keeps IEEE semantics: no FMA contraction, no
+unsafe math), and the tests check both give identical bits. If compilation fails (no C++
+compiler, unsupported platform) we warn once and run the reference from then on.
+
+Backend choice: ``set_backend("auto" | "reference" | "compiled")`` or the environment variable
+``BLOCKSCALE_BACKEND``. "auto" compiles for tensors of at least ``AUTO_MIN_NUMEL`` elements,
+where the one-off compile time pays for itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+BACKENDS = ("auto", "reference", "compiled")
+AUTO_MIN_NUMEL = 1 << 20
+
+_state = {"backend": os.environ.get("BLOCKSCALE_BACKEND", "auto"), "compile_failed": False}
+if _state["backend"] not in BACKENDS:
+    raise ValueError(f"BLOCKSCALE_BACKEND={_state['backend']!r}; allowed values: {', '.join(BACKENDS)}")
+
+
+def set_backend(name: str) -> None:
+    """Select "auto", "reference" (eager, chunked) or "compiled" (torch.compile) kernels."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not supported; allowed values: {', '.join(map(repr, BACKENDS))}")
+    _state["backend"] = name
+
+
+def get_backend() -> str:
+    return _state["backend"]
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Context manager form of ``set_backend``."""
+    old = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(old)
+
+
+def want_compiled(numel: int) -> bool:
+    """Whether the fast path should run for a tensor of ``numel`` elements."""
+    if _state["compile_failed"]:
+        return False
+    b = _state["backend"]
+    return b == "compiled" or (b == "auto" and numel >= AUTO_MIN_NUMEL)
+
+
+def fast_kernel(fn: Callable) -> Callable:
+    """``fn`` compiled with torch.compile; on a compile failure: one warning, then ``fn`` itself."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        nonlocal compiled
+        if _state["compile_failed"]:
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the reference
+            _state["compile_failed"] = True
+            warnings.warn(
+                f"blockscale: torch.compile is unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                "using the eager reference kernels (same results, slower)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return fn(*args, **kwargs)
+
+    run.reference = fn
+    return run

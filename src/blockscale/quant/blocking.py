@@ -1,0 +1,51 @@
+"""Shared plumbing for block quantizers: padding to whole blocks and row chunks for eager code."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Eager kernels work on row chunks of about this many elements, so their temporaries stay in
+# cache instead of allocating a full-size tensor per elementwise step.
+CHUNK_ELEMENTS = 1 << 18
+
+
+def pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """Zero-pad ``x`` along ``dim`` to a multiple of ``multiple`` (no copy when already aligned)."""
+    n = x.shape[dim]
+    extra = (-n) % multiple
+    if extra == 0:
+        return x
+    dim = dim % x.dim()
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    return F.pad(x, pad)
+
+
+def row_chunks(n_rows: int, row_elems: int, row_multiple: int = 1):
+    """Yield ``slice`` objects covering ``range(n_rows)`` in chunks of about CHUNK_ELEMENTS elements."""
+    rows = max(row_multiple, (CHUNK_ELEMENTS // max(row_elems, 1)) // row_multiple * row_multiple)
+    for start in range(0, n_rows, rows):
+        yield slice(start, min(start + rows, n_rows))
+
+
+def draw_random(shape, rounding: str, sr_mode: str, generator, device) -> torch.Tensor | None:
+    """Random numbers for stochastic rounding, drawn once for the whole (padded) tensor.
+
+    "hardware": uint8 bits; "exact": FP32 uniforms with 24 random bits. None for rounding="nearest".
+    """
+    if rounding == "nearest":
+        return None
+    if sr_mode == "hardware":
+        return torch.randint(0, 256, tuple(shape), dtype=torch.uint8, generator=generator, device=device)
+    return torch.rand(tuple(shape), dtype=torch.float32, generator=generator, device=device)
+
+
+def abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """max |x| (FP32) over all of ``x`` or over ``dim``; 0 for an empty reduction. NaN propagates.
+
+    One read of ``x`` (``aminmax``), no |x| temporary.
+    """
+    if x.numel() == 0:
+        shape = () if dim is None else tuple(d for i, d in enumerate(x.shape) if i != dim % x.dim())
+        return torch.zeros(shape, dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    return torch.maximum(-lo, hi).to(torch.float32)

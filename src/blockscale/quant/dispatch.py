@@ -1,0 +1,63 @@
+"""quantize / fake_quantize / dequantize for any format spec, with input checks."""
+from __future__ import annotations
+
+import torch
+
+from .mx import dequantize_mx, quantize_mx
+from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from .s2f6 import dequantize_s2f6, quantize_s2f6
+from .specs import MX, NVFP4, S2F6
+from .tensor import QuantizedTensor
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; blockscale quantizes floating tensors: "
+                        "torch.float32, torch.bfloat16, torch.float16 (float64 is rounded to float32)")
+    if not isinstance(spec, (NVFP4, MX, S2F6)):
+        raise TypeError(f"spec must be blockscale.NVFP4, MX or S2F6, got {type(spec).__name__}")
+    if check_finite and x.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(x))).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"x contains {bad} NaN/inf value(s); block scales would be undefined "
+                         "(pass check_finite=False to skip this check at your own risk)")
+    return x.detach().to(torch.float32).contiguous()
+
+
+def quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, check_finite: bool = True) -> QuantizedTensor:
+    """Quantize ``x`` (fp32 / bf16 / fp16, any shape) to ``spec``'s format.
+
+    ``generator`` drives stochastic rounding (None: torch's default generator); results are
+    deterministic for a given generator state.
+    """
+    x32 = _check_input(x, spec, check_finite)
+    if isinstance(spec, NVFP4):
+        q = quantize_nvfp4(x32, spec, generator)
+    elif isinstance(spec, MX):
+        q = quantize_mx(x32, spec, generator)
+    else:
+        q = quantize_s2f6(x32, spec, generator)
+    if q.dtype != x.dtype:
+        from dataclasses import replace
+
+        q = replace(q, dtype=x.dtype)
+    return q
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """FP32 values of ``q`` in the original shape."""
+    if isinstance(q.spec, NVFP4):
+        return dequantize_nvfp4(q)
+    if isinstance(q.spec, MX):
+        return dequantize_mx(q)
+    return dequantize_s2f6(q)
+
+
+def fake_quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, dtype=None,
+                  check_finite: bool = True) -> torch.Tensor:
+    """quantize then dequantize (same numerics); returns ``dtype`` (default: x's dtype)."""
+    out = dequantize(quantize(x, spec, generator, check_finite=check_finite))
+    return out.to(x.dtype if dtype is None else dtype)

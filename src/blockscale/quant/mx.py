@@ -1,0 +1,121 @@
+"""MX formats (MXFP8 E4M3 / E5M2, MXFP4 E2M1): one UE8M0 scale per 32 values along ``spec.dim``.
+
+    k  = ceil(log2(block_amax / max_elem))      "ceil" (default; nothing saturates)
+       = floor(log2(block_amax)) - emax_elem     "floor" (OCP v1.0; elements saturate to ±max)
+    k clamped to [-127, 127]; zero block -> k = -127. Stored b = k + 127 (uint8).
+    v  = round(x * 2**-k)                        RNE or stochastic, onto the element grid
+    x^ = v * 2**k
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+from ..formats.fp8 import FP8_DTYPES, FP8_FORMATS, encode_fp8
+from ..formats.minifloat import E2M1, pow2
+from ..formats.ue8m0 import decode_ue8m0, encode_ue8m0, scale_exponent_ceil, scale_exponent_floor
+from .backend import fast_kernel, want_compiled
+from .blocking import draw_random, pad_dim, row_chunks
+from .specs import MX
+from .tensor import QuantizedTensor
+
+BLOCK = 32
+_ELEMENT_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
+_ELEMENT_EMAX = {"e4m3": 8, "e5m2": 15, "e2m1": 2}
+assert _ELEMENT_MAX["e2m1"] == E2M1.max
+
+
+def block_exponent(amax: torch.Tensor, rule: str, max_elem: float, emax_elem: int) -> torch.Tensor:
+    """Unbiased UE8M0 exponent k (int32) of each block from its amax, by ``rule`` ("ceil" | "floor")."""
+    if rule == "ceil":
+        return scale_exponent_ceil(amax, max_elem)
+    return scale_exponent_floor(amax, emax_elem)
+
+
+def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str):
+    """Blocks [R, nb, 32] -> (codes [R, nb*32] float8, or [R, nb*16] packed uint8 for e2m1; b [R, nb] uint8)."""
+    amax = torch.abs(xb).amax(dim=-1, keepdim=True)
+    k = block_exponent(amax, rule, _ELEMENT_MAX[element], _ELEMENT_EMAX[element])
+    scaled = xb * pow2(-k)
+    r = xb.shape[0]
+    if element == "e2m1":
+        codes = pack_nibbles(encode_e2m1(scaled, rounding, rand, sr_mode).reshape(r, -1))
+    else:
+        codes = encode_fp8(scaled, element, rounding, rand, sr_mode).reshape(r, -1)
+    return codes, encode_ue8m0(k.squeeze(-1))
+
+
+_mx_blocks_fast = fast_kernel(_mx_blocks)
+
+
+def _mx_dequant_blocks(codes, b, element: str):
+    r, nb = b.shape
+    v = decode_e2m1(unpack_nibbles(codes)) if element == "e2m1" else codes.to(torch.float32)
+    return (v.view(r, nb, BLOCK) * decode_ue8m0(b).unsqueeze(-1)).view(r, nb * BLOCK)
+
+
+_mx_dequant_blocks_fast = fast_kernel(_mx_dequant_blocks)
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    n = max(ndim, 1)
+    if not -n <= dim < n:
+        raise ValueError(f"dim={dim} is out of range for a tensor with {ndim} dims")
+    return dim % n
+
+
+def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = None) -> QuantizedTensor:
+    """Quantize finite FP32 ``x`` to MX along ``spec.dim`` (padded to whole blocks of 32)."""
+    shape = x.shape
+    dim = _norm_dim(spec.dim, x.dim())
+    xm = (x.reshape(1) if x.dim() == 0 else x).movedim(dim, -1)
+    moved = xm.shape
+    K = moved[-1]
+    xp = pad_dim(xm.reshape(-1, K), -1, BLOCK)
+    R, Kp = xp.shape
+    nb = Kp // BLOCK
+    xb = xp.reshape(R, nb, BLOCK)
+    rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
+    e2m1 = spec.element == "e2m1"
+    codes = torch.empty(R, Kp // 2 if e2m1 else Kp, dtype=torch.uint8 if e2m1 else FP8_DTYPES[spec.element],
+                        device=x.device)
+    scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
+    if R * Kp:
+        fast = want_compiled(R * Kp)
+        kernel = _mx_blocks_fast if fast else _mx_blocks
+        for rows in ([slice(0, R)] if fast else row_chunks(R, Kp)):
+            c, b = kernel(xb[rows], None if rand is None else rand[rows], spec.element, spec.scale_rule,
+                          spec.rounding, spec.sr_mode)
+            codes[rows] = c
+            scales[rows] = b
+    lead = tuple(moved[:-1])
+    return QuantizedTensor(spec=spec, codes=codes.reshape(lead + (codes.shape[-1],)),
+                           scales=scales.reshape(lead + (nb,)), shape=shape, dtype=x.dtype)
+
+
+def dequantize_mx(q: QuantizedTensor) -> torch.Tensor:
+    """x^ = v * 2**(b - 127), moved back to the original layout, padding dropped."""
+    shape = q.shape
+    dim = _norm_dim(q.spec.dim, len(shape))
+    moved = list(shape) if len(shape) else [1]
+    moved.append(moved.pop(dim))
+    K = moved[-1]
+    nb = q.scales.shape[-1]
+    R = math.prod(moved[:-1])
+    if R * K == 0:
+        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+    codes = q.codes.reshape(R, -1)
+    b = q.scales.reshape(R, nb)
+    if want_compiled(R * nb * BLOCK):
+        out = _mx_dequant_blocks_fast(codes, b, q.spec.element)
+    else:
+        out = torch.empty(R, nb * BLOCK, dtype=torch.float32, device=q.device)
+        for rows in row_chunks(R, nb * BLOCK):
+            out[rows] = _mx_dequant_blocks(codes[rows], b[rows], q.spec.element)
+    out = out[:, :K].reshape(moved).movedim(-1, dim)
+    return out.reshape(shape)
+
+
+__all__ = ["quantize_mx", "dequantize_mx", "block_exponent", "FP8_FORMATS"]

@@ -1,0 +1,255 @@
+"""NVFP4 quantizer: E2M1 values, an E4M3 scale per 16 values, an FP32 outer scale.
+
+FP32 order of operations (Transformer Engine's reference, ``../shared/spec/numerics.md``):
+
+    S  = min(bound*6 / amax, FLT_MAX)       (S = 1 if amax = 0; bound 448, or 256 for 4/6 and "4")
+    t  = block_amax * (S * (1/6))
+    s  = e4m3_rne(min(t, 448))              scale-to-6   (scale-to-4: e4m3_rne(min(1.5*t, 448)))
+    e  = min(1 / (s * (1/S)), FLT_MAX)      (0 if s = 0)
+    q  = e2m1(clamp(x * e, -6, 6))          RNE or stochastic; never beyond ±6
+    x^ = (q * s) * (1/S)
+
+Scale rules: "6"; "4" (always scale-to-4); "4over6" (the candidate with the strictly lower block
+error, ties keep 6, summed in ``block_error``'s fixed order); "sweep" (every positive finite E4M3
+value as block scale, least squared error; starts from the scale-to-6 choice and only moves on a
+strictly lower error, trying candidates in increasing order).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.e2m1 import e2m1_index, e2m1_lut, pack_nibbles, unpack_nibbles
+from ..formats.minifloat import E2M1, E4M3, round_magnitude, sign_bit
+from .backend import fast_kernel, want_compiled
+from .block_error import block_error_terms, tile_error
+from .blocking import abs_max, draw_random, pad_dim, row_chunks
+from .specs import NVFP4
+from .tensor import QuantizedTensor
+
+FLT_MAX = torch.finfo(torch.float32).max
+BLOCK = 16
+
+
+def e4m3_positive_values() -> torch.Tensor:
+    """The 126 positive finite E4M3 values, increasing (codes 0x01..0x7E)."""
+    return torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def outer_scale(amax: torch.Tensor, bound: float = 448.0) -> torch.Tensor:
+    """S = min(bound*6 / amax, FLT_MAX), and 1 where amax is 0."""
+    # a true division (``float / tensor`` would be reciprocal-then-multiply: two roundings)
+    s = torch.clamp(torch.tensor(bound * 6.0, dtype=torch.float32, device=amax.device) / amax, max=FLT_MAX)
+    return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def _e4m3(t: torch.Tensor) -> torch.Tensor:
+    return round_magnitude(torch.clamp(t, max=448.0), E4M3)
+
+
+def _encode(xb, s, inv_s, rand, rounding, sr_mode):
+    """E2M1 codes (uint8, unpacked) of blocks ``xb`` [..., 16] with block scales ``s`` [..., 1]."""
+    neg, v = _rounded_magnitudes(xb, s, inv_s, rand, rounding, sr_mode)
+    return e2m1_index(v) | (neg.to(torch.uint8) << 3)
+
+
+def _reconstruct(xb, s, inv_s, rand, rounding, sr_mode):
+    """Dequantized values x^ = (q * s) * (1/S) of blocks ``xb`` with block scales ``s``."""
+    neg, v = _rounded_magnitudes(xb, s, inv_s, rand, rounding, sr_mode)
+    return (torch.where(neg, -v, v) * s) * inv_s
+
+
+def _rounded_magnitudes(xb, s, inv_s, rand, rounding, sr_mode):
+    e = torch.clamp(1.0 / (s * inv_s), max=FLT_MAX)
+    e = torch.where(s == 0, torch.zeros_like(e), e)
+    v = round_magnitude(torch.abs(torch.clamp(xb * e, -6.0, 6.0)), E2M1, rounding, rand, sr_mode)
+    return sign_bit(xb), v
+
+
+def _error(xb, s, inv_s, rand, rounding, sr_mode, error, block_2d):
+    """Per-block error [..., R, nb] of quantizing blocks ``xb`` [R, nb, 16] with scales ``s`` [..., R, nb, 1].
+
+    1D: position by position (``block_error_terms``); 2D: per 16x16 tile (``tile_error``),
+    broadcast back to the tile's 16 rows.
+    """
+    if not block_2d:
+        rs = [None] * BLOCK if rand is None else rand.unbind(-1)
+        sq, inv = s.squeeze(-1), inv_s.squeeze(-1)
+        ds = [_reconstruct(c, sq, inv, r, rounding, sr_mode) - c for c, r in zip(xb.unbind(-1), rs)]
+        return block_error_terms(ds, error)
+    d = _reconstruct(xb, s, inv_s, rand, rounding, sr_mode) - xb
+    *c, r, nb, _ = d.shape
+    tiles = d.view(*c, r // BLOCK, BLOCK, nb, BLOCK).transpose(-3, -2)
+    err = tile_error(tiles, error)  # [..., r/16, nb]
+    return err.unsqueeze(-2).expand(*c, r // BLOCK, BLOCK, nb).reshape(*c, r, nb)
+
+
+def _block_amax(xb: torch.Tensor, block_2d: bool) -> torch.Tensor:
+    """Block amax [R, nb, 1] of blocks [R, nb, 16]; 2D: the 16x16 tile amax on each of its rows."""
+    a = torch.abs(xb).amax(dim=-1, keepdim=True)
+    if block_2d:
+        r, nb, _ = a.shape
+        a = a.view(r // BLOCK, BLOCK, nb, 1).amax(dim=1, keepdim=True).expand(r // BLOCK, BLOCK, nb, 1)
+        a = a.reshape(r, nb, 1)
+    return a
+
+
+def _quantize_blocks(xb, S, rand, rule: str, error: str, block_2d: bool, rounding: str, sr_mode: str):
+    """Kernel for rules "6", "4", "4over6": blocks [R, nb, 16], S [R, 1, 1] -> (packed codes [R, nb*8], scales [R, nb])."""
+    inv_s = 1.0 / S
+    t = _block_amax(xb, block_2d) * (S * (1.0 / 6.0))
+    if rule == "6":
+        s = _e4m3(t)
+    elif rule == "4":
+        s = _e4m3(t * 1.5)
+    else:  # 4over6: keep 6 unless 4 is strictly better; codes recomputed below from the choice
+        s6 = _e4m3(t)
+        s4 = _e4m3(t * 1.5)
+        # both candidates in one broadcast pass: [2, R, nb, 1] scales -> [2, R, nb] errors
+        err = _error(xb, torch.stack((s6, s4)), inv_s, rand, rounding, sr_mode, error, block_2d)
+        s = torch.where((err[1] < err[0]).unsqueeze(-1), s4, s6)
+    codes = _encode(xb, s, inv_s, rand, rounding, sr_mode)
+    r = xb.shape[0]
+    return codes.reshape(r, -1), s.squeeze(-1)
+
+
+def _sweep_init(xb, S, block_2d: bool):
+    """Sweep start: the scale-to-6 block scales and their squared error."""
+    inv_s = 1.0 / S
+    s = _e4m3(_block_amax(xb, block_2d) * (S * (1.0 / 6.0)))
+    return s, _error(xb, s, inv_s, None, "nearest", "hardware", "mse", block_2d).unsqueeze(-1)
+
+
+def _sweep_step(xb, S, cand, best_s, best_err, block_2d: bool):
+    """One sweep candidate (0-d FP32 tensor): keep it where its squared error is strictly lower."""
+    inv_s = 1.0 / S
+    s = cand.expand_as(best_s)
+    err = _error(xb, s, inv_s, None, "nearest", "hardware", "mse", block_2d).unsqueeze(-1)
+    better = err < best_err
+    return torch.where(better, s, best_s), torch.where(better, err, best_err)
+
+
+def _sweep_finish(xb, S, best_s):
+    codes = _encode(xb, best_s, 1.0 / S, None, "nearest", "hardware")
+    return codes.reshape(xb.shape[0], -1), best_s.squeeze(-1)
+
+
+def _sweep_blocks(xb, S, block_2d, init, step, finish):
+    best_s, best_err = init(xb, S, block_2d)
+    for cand in e4m3_positive_values():
+        best_s, best_err = step(xb, S, cand, best_s, best_err, block_2d)
+    return finish(xb, S, best_s)
+
+
+_quantize_blocks_fast = fast_kernel(_quantize_blocks)
+_sweep_init_fast = fast_kernel(_sweep_init)
+_sweep_step_fast = fast_kernel(_sweep_step)
+_sweep_finish_fast = fast_kernel(_sweep_finish)
+
+
+def _dequantize_blocks(packed, scales, inv_s):
+    """packed [R, nb*8], scales [R, nb] (FP32), inv_s [R, 1] -> FP32 [R, nb*16]."""
+    q = e2m1_lut(packed.device)[unpack_nibbles(packed).long()]
+    r, nb = scales.shape
+    return ((q.view(r, nb, BLOCK) * scales.unsqueeze(-1)) * inv_s.unsqueeze(-1)).view(r, nb * BLOCK)
+
+
+_dequantize_blocks_fast = fast_kernel(_dequantize_blocks)
+
+
+def _outer(x3: torch.Tensor, spec: NVFP4, shape: torch.Size):
+    """Outer amax and S per row of ``x3`` [B, M, K]; also the stored (broadcastable) forms."""
+    B, M, _ = x3.shape
+    ndim = len(shape)
+    bound = spec.outer_bound
+    if isinstance(spec.outer, float) or isinstance(spec.outer, int):
+        amax = torch.tensor(float(spec.outer), dtype=torch.float32, device=x3.device)
+        stored_shape = ()
+        amax_rows = amax.expand(B * M)
+    elif spec.outer == "tensor":
+        amax = abs_max(x3)
+        stored_shape = ()
+        amax_rows = amax.expand(B * M)
+    elif spec.outer == "row":
+        amax = abs_max(x3, dim=-1)
+        stored_shape = tuple(shape[:-1]) + (1,) if ndim else ()
+        amax_rows = amax.reshape(B * M)
+    else:  # group: one per slice of dim 0
+        G = shape[0] if ndim >= 2 else 1
+        per = x3.reshape(G, -1)
+        amax = abs_max(per, dim=-1)
+        stored_shape = (G,) + (1,) * (ndim - 1) if ndim >= 2 else ()
+        amax_rows = amax.repeat_interleave((B * M) // G) if G else amax
+    S_rows = outer_scale(amax_rows.float(), bound)
+    amax_st = amax.float().reshape(stored_shape)
+    return amax_st, outer_scale(amax_st, bound), S_rows
+
+
+def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | None = None) -> QuantizedTensor:
+    """Quantize finite FP32 ``x`` (any shape) to NVFP4. Use ``blockscale.quantize`` for checked input."""
+    shape = x.shape
+    K = shape[-1] if x.dim() else 1
+    M = shape[-2] if x.dim() >= 2 else 1
+    B = math.prod(shape[:-2])
+    if spec.block_2d and x.dim() < 2:
+        raise ValueError(f"block_2d=True needs a tensor with at least 2 dims, got shape {tuple(shape)}")
+    if spec.block_2d and spec.outer == "group" and x.dim() < 3:
+        raise ValueError("block_2d=True with outer='group' needs a tensor with at least 3 dims (groups along dim 0)")
+    x3 = x.reshape(B, M, K)
+    amax_st, S_st, S_rows = _outer(x3, spec, shape)
+
+    xp = pad_dim(x3, -1, BLOCK)
+    if spec.block_2d:
+        xp = pad_dim(xp, -2, BLOCK)
+        S_rows = pad_dim(S_rows.view(B, M), -1, BLOCK).reshape(-1)  # padded rows: zeros in x, any S
+        S_rows = torch.where(S_rows == 0, torch.ones_like(S_rows), S_rows)
+    Mp, Kp = xp.shape[1], xp.shape[2]
+    R, nb = B * Mp, Kp // BLOCK
+    xb = xp.reshape(R, nb, BLOCK)
+    S3 = S_rows.reshape(R, 1, 1)
+    rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
+
+    codes = torch.empty(R, Kp // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(R, nb, dtype=torch.float32, device=x.device)
+    if R * Kp:
+        fast = want_compiled(R * Kp)
+        parts = [slice(0, R)] if fast else row_chunks(R, Kp, BLOCK if spec.block_2d else 1)
+        for rows in parts:
+            args = (xb[rows], S3[rows])
+            if spec.scale_rule == "sweep":
+                kernels = (_sweep_init_fast, _sweep_step_fast, _sweep_finish_fast) if fast else (
+                    _sweep_init, _sweep_step, _sweep_finish)
+                c, s = _sweep_blocks(*args, spec.block_2d, *kernels)
+            else:
+                kernel = _quantize_blocks_fast if fast else _quantize_blocks
+                r = None if rand is None else rand[rows]
+                c, s = kernel(*args, r, spec.scale_rule, spec.error, spec.block_2d, spec.rounding, spec.sr_mode)
+            codes[rows] = pack_nibbles(c)
+            scales[rows] = s
+    lead = tuple(shape[:-1]) if x.dim() else ()
+    codes = codes.view(B, Mp, Kp // 2)[:, :M].reshape(lead + (Kp // 2,))
+    scales = scales.view(B, Mp, nb)[:, :M].reshape(lead + (nb,)).to(torch.float8_e4m3fn)
+    return QuantizedTensor(spec=spec, codes=codes, scales=scales, shape=shape, dtype=x.dtype,
+                           outer_scale=S_st, amax=amax_st)
+
+
+def dequantize_nvfp4(q: QuantizedTensor) -> torch.Tensor:
+    """x^ = (q * s) * (1/S) in FP32, shaped like the original tensor."""
+    shape = q.shape
+    K = shape[-1] if len(shape) else 1
+    Kp = q.codes.shape[-1] * 2
+    R = q.codes.numel() // max(q.codes.shape[-1], 1) if q.codes.numel() else 0
+    if R == 0 or Kp == 0:
+        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+    lead = tuple(shape[:-1]) if len(shape) else ()
+    inv_s = (1.0 / q.outer_scale).expand(lead + (1,) if lead else (1,)).reshape(R, 1)
+    packed = q.codes.reshape(R, Kp // 2)
+    scales = q.scales.reshape(R, Kp // BLOCK).to(torch.float32)
+    if want_compiled(R * Kp):
+        out = _dequantize_blocks_fast(packed, scales, inv_s)
+    else:
+        out = torch.empty(R, Kp, dtype=torch.float32, device=q.device)
+        for rows in row_chunks(R, Kp):
+            out[rows] = _dequantize_blocks(packed[rows], scales[rows], inv_s[rows])
+    return out[:, :K].reshape(shape)

@@ -1,0 +1,91 @@
+"""S2F6 block quantizer for communication: blocks of 32, one UE8M0 scale, int8 x 2**-6 values,
+optionally rotated first by a 32-point random Hadamard transform (8.25 bits per value).
+
+    x' = hadamard(x, 32, signs(seed))           if spec.hadamard (zero padding to 32 first)
+    k  = ceil(log2(amax' / (127/64)))           ("floor": floor(log2 amax'), values saturate)
+    c  = clamp(round(x' * 2**-k * 64), -127, 127)  (int8)
+    x^ = inverse_hadamard(c / 64 * 2**k)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.minifloat import pow2
+from ..formats.s2f6 import S2F6_MAX, decode_s2f6, encode_s2f6
+from ..formats.ue8m0 import decode_ue8m0, encode_ue8m0
+from .backend import fast_kernel, want_compiled
+from .blocking import draw_random, pad_dim, row_chunks
+from .hadamard import inverse_rht_blocks, random_signs, rht_blocks
+from .mx import block_exponent
+from .specs import S2F6
+from .tensor import QuantizedTensor
+
+BLOCK = 32
+
+
+def _s2f6_blocks(xb, signs, rand, rule: str, rounding: str, sr_mode: str):
+    """Blocks [R, nb, 32] (rotated first when ``signs`` is given) -> (int8 codes [R, nb*32], b [R, nb])."""
+    if signs is not None:
+        xb = rht_blocks(xb, signs)
+    amax = torch.abs(xb).amax(dim=-1, keepdim=True)
+    k = block_exponent(amax, rule, S2F6_MAX, 0)
+    codes = encode_s2f6(xb * pow2(-k), rounding, rand, sr_mode)
+    return codes.reshape(xb.shape[0], -1), encode_ue8m0(k.squeeze(-1))
+
+
+def _s2f6_dequant_blocks(codes, b, signs):
+    r, nb = b.shape
+    v = decode_s2f6(codes).view(r, nb, BLOCK) * decode_ue8m0(b).unsqueeze(-1)
+    if signs is not None:
+        v = inverse_rht_blocks(v, signs)
+    return v.reshape(r, nb * BLOCK)
+
+
+_s2f6_blocks_fast = fast_kernel(_s2f6_blocks)
+_s2f6_dequant_blocks_fast = fast_kernel(_s2f6_dequant_blocks)
+
+
+def quantize_s2f6(x: torch.Tensor, spec: S2F6, generator: torch.Generator | None = None) -> QuantizedTensor:
+    """Quantize finite FP32 ``x`` to S2F6 along the last dim (padded to whole blocks of 32)."""
+    shape = x.shape
+    K = shape[-1] if x.dim() else 1
+    xp = pad_dim(x.reshape(-1, K), -1, BLOCK)
+    R, Kp = xp.shape
+    nb = Kp // BLOCK
+    signs = random_signs(BLOCK, spec.seed, device=x.device) if spec.hadamard else None
+    rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
+    codes = torch.empty(R, Kp, dtype=torch.int8, device=x.device)
+    scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
+    if R * Kp:
+        fast = want_compiled(R * Kp)
+        kernel = _s2f6_blocks_fast if fast else _s2f6_blocks
+        xb = xp.reshape(R, nb, BLOCK)
+        for rows in ([slice(0, R)] if fast else row_chunks(R, Kp)):
+            c, b = kernel(xb[rows], signs, None if rand is None else rand[rows], spec.scale_rule,
+                          spec.rounding, spec.sr_mode)
+            codes[rows] = c
+            scales[rows] = b
+    lead = tuple(shape[:-1]) if x.dim() else ()
+    return QuantizedTensor(spec=spec, codes=codes.reshape(lead + (Kp,)), scales=scales.reshape(lead + (nb,)),
+                           shape=shape, dtype=x.dtype, signs=signs)
+
+
+def dequantize_s2f6(q: QuantizedTensor) -> torch.Tensor:
+    """Dequantize and undo the rotation; padding dropped."""
+    shape = q.shape
+    K = shape[-1] if len(shape) else 1
+    nb = q.scales.shape[-1]
+    R = math.prod(shape[:-1]) if len(shape) else 1
+    if R * K == 0:
+        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+    codes = q.codes.reshape(R, nb * BLOCK)
+    b = q.scales.reshape(R, nb)
+    if want_compiled(R * nb * BLOCK):
+        out = _s2f6_dequant_blocks_fast(codes, b, q.signs)
+    else:
+        out = torch.empty(R, nb * BLOCK, dtype=torch.float32, device=q.device)
+        for rows in row_chunks(R, nb * BLOCK):
+            out[rows] = _s2f6_dequant_blocks(codes[rows], b[rows], q.signs)
+    return out[:, :K].reshape(shape)

@@ -1,0 +1,78 @@
+"""QuantizedTensor: the packed codes, block scales and outer scale of one quantized tensor."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from .specs import MX, NVFP4, S2F6, FormatSpec
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A tensor in a block-scaled format.
+
+    codes: NVFP4 / MXFP4: uint8, two E2M1 codes per byte (element 2i in the low nibble), last dim
+      padded to whole blocks; MXFP8: torch float8 values; S2F6: int8.
+    scales: NVFP4: float8_e4m3fn, one per 16 values along the last dim; MX / S2F6: uint8 UE8M0
+      biased exponents, one per 32 values.
+    outer_scale: NVFP4 only: FP32 encode scale S = bound*6/amax, broadcastable against ``shape``
+      (shape [] per tensor, [..., 1] per row, [G, 1, ...] per group).
+    amax: NVFP4 only: the FP32 amax the outer scale came from (same shape as ``outer_scale``).
+    shape / dtype: the original tensor's shape and dtype.
+    For MX with ``spec.dim`` other than the last, codes and scales are stored with that dim moved last.
+    """
+
+    spec: FormatSpec
+    codes: torch.Tensor
+    scales: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    outer_scale: Optional[torch.Tensor] = None
+    amax: Optional[torch.Tensor] = None
+    signs: Optional[torch.Tensor] = None  # S2F6 with Hadamard: the ±1 rotation signs
+
+    def dequantize(self, dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+        """The represented values, as ``dtype`` (None: the original dtype); padding removed."""
+        from .dispatch import dequantize  # the format modules import this class
+
+        out = dequantize(self)
+        return out if dtype is None or dtype == torch.float32 else out.to(dtype)
+
+    def scales_swizzled(self) -> torch.Tensor:
+        """Block scales in the cuBLAS / CUTLASS 128x4 tiled layout (see ``swizzle_scales``)."""
+        from .swizzle import swizzle_scales
+
+        return swizzle_scales(self.scales)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def to(self, device) -> "QuantizedTensor":
+        """A copy with every tensor moved to ``device``."""
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, codes=mv(self.codes), scales=mv(self.scales), outer_scale=mv(self.outer_scale),
+                       amax=mv(self.amax), signs=mv(self.signs))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage: codes + scales + outer scale."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.outer_scale) if t is not None)
+
+    @property
+    def bits_per_value(self) -> float:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return 8.0 * self.nbytes / max(n, 1)
+
+    def __repr__(self) -> str:
+        kind = type(self.spec).__name__
+        return (f"QuantizedTensor({kind}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"codes={tuple(self.codes.shape)}:{self.codes.dtype}, scales={tuple(self.scales.shape)}:{self.scales.dtype}, "
+                f"spec={self.spec})")
+
+
+__all__ = ["QuantizedTensor", "NVFP4", "MX", "S2F6"]
