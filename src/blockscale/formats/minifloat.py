@@ -49,6 +49,13 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
     return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def mul_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x * 2**k`` for integer ``k`` in [-254, 254], as two exact power-of-two multiplies (exact
+    unless the result is an FP32 subnormal); covers k = ±127, where ``pow2`` alone cannot."""
+    h = torch.div(k, 2, rounding_mode="floor")
+    return x * pow2(h) * pow2(k - h)
+
+
 def fp32_exponent(a: torch.Tensor) -> torch.Tensor:
     """Unbiased exponent field of FP32 ``a`` (int32); subnormals and zero give -127."""
     return ((a.view(torch.int32) >> 23) & 0xFF) - 127

@@ -57,6 +57,16 @@ def want_compiled(numel: int) -> bool:
     return b == "compiled" or (b == "auto" and numel >= AUTO_MIN_NUMEL)
 
 
+def _raise_recompile_limit(at_least: int = 64) -> None:
+    """Each kernel is compiled once per (static options, shape) combination; dynamo's default of 8
+    recompiles per function would silently drop later combinations back to eager."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < at_least:
+            setattr(dynamo_config, name, at_least)
+
+
 def fast_kernel(fn: Callable) -> Callable:
     """``fn`` compiled with torch.compile; on a compile failure: one warning, then ``fn`` itself."""
     compiled = None
@@ -67,6 +77,7 @@ def fast_kernel(fn: Callable) -> Callable:
         if _state["compile_failed"]:
             return fn(*args, **kwargs)
         if compiled is None:
+            _raise_recompile_limit()
             compiled = torch.compile(fn)
         try:
             return compiled(*args, **kwargs)

@@ -14,7 +14,7 @@ import torch
 
 from ..formats.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 from ..formats.fp8 import FP8_DTYPES, FP8_FORMATS, encode_fp8
-from ..formats.minifloat import E2M1, pow2
+from ..formats.minifloat import E2M1, mul_pow2
 from ..formats.ue8m0 import decode_ue8m0, encode_ue8m0, scale_exponent_ceil, scale_exponent_floor
 from .backend import fast_kernel, want_compiled
 from .blocking import draw_random, pad_dim, row_chunks
@@ -38,7 +38,7 @@ def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str):
     """Blocks [R, nb, 32] -> (codes [R, nb*32] float8, or [R, nb*16] packed uint8 for e2m1; b [R, nb] uint8)."""
     amax = torch.abs(xb).amax(dim=-1, keepdim=True)
     k = block_exponent(amax, rule, _ELEMENT_MAX[element], _ELEMENT_EMAX[element])
-    scaled = xb * pow2(-k)
+    scaled = mul_pow2(xb, -k)
     r = xb.shape[0]
     if element == "e2m1":
         codes = pack_nibbles(encode_e2m1(scaled, rounding, rand, sr_mode).reshape(r, -1))
@@ -73,7 +73,7 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
     xm = (x.reshape(1) if x.dim() == 0 else x).movedim(dim, -1)
     moved = xm.shape
     K = moved[-1]
-    xp = pad_dim(xm.reshape(-1, K), -1, BLOCK)
+    xp = pad_dim(xm.reshape(math.prod(moved[:-1]), K), -1, BLOCK)
     R, Kp = xp.shape
     nb = Kp // BLOCK
     xb = xp.reshape(R, nb, BLOCK)

@@ -12,17 +12,18 @@ import math
 
 import torch
 
-from ..formats.minifloat import pow2
+from ..formats.minifloat import mul_pow2
 from ..formats.s2f6 import S2F6_MAX, decode_s2f6, encode_s2f6
 from ..formats.ue8m0 import decode_ue8m0, encode_ue8m0
 from .backend import fast_kernel, want_compiled
-from .blocking import draw_random, pad_dim, row_chunks
+from .blocking import abs_max, draw_random, pad_dim, row_chunks
 from .hadamard import inverse_rht_blocks, random_signs, rht_blocks
 from .mx import block_exponent
 from .specs import S2F6
 from .tensor import QuantizedTensor
 
 BLOCK = 32
+_ROTATION_LIMIT = torch.finfo(torch.float32).max / BLOCK
 
 
 def _s2f6_blocks(xb, signs, rand, rule: str, rounding: str, sr_mode: str):
@@ -31,7 +32,7 @@ def _s2f6_blocks(xb, signs, rand, rule: str, rounding: str, sr_mode: str):
         xb = rht_blocks(xb, signs)
     amax = torch.abs(xb).amax(dim=-1, keepdim=True)
     k = block_exponent(amax, rule, S2F6_MAX, 0)
-    codes = encode_s2f6(xb * pow2(-k), rounding, rand, sr_mode)
+    codes = encode_s2f6(mul_pow2(xb, -k), rounding, rand, sr_mode)
     return codes.reshape(xb.shape[0], -1), encode_ue8m0(k.squeeze(-1))
 
 
@@ -51,9 +52,12 @@ def quantize_s2f6(x: torch.Tensor, spec: S2F6, generator: torch.Generator | None
     """Quantize finite FP32 ``x`` to S2F6 along the last dim (padded to whole blocks of 32)."""
     shape = x.shape
     K = shape[-1] if x.dim() else 1
-    xp = pad_dim(x.reshape(-1, K), -1, BLOCK)
+    xp = pad_dim(x.reshape(math.prod(shape[:-1]) if x.dim() else 1, K), -1, BLOCK)
     R, Kp = xp.shape
     nb = Kp // BLOCK
+    if spec.hadamard and x.numel() and abs_max(x).item() > _ROTATION_LIMIT:
+        raise ValueError(f"S2F6(hadamard=True): |x| must stay below FLT_MAX/32 = {_ROTATION_LIMIT:.3e} "
+                         "(the 32-point butterfly adds 32 values); use hadamard=False for such data")
     signs = random_signs(BLOCK, spec.seed, device=x.device) if spec.hadamard else None
     rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
     codes = torch.empty(R, Kp, dtype=torch.int8, device=x.device)

@@ -38,7 +38,8 @@ class QuantizedTensor:
         from .dispatch import dequantize  # the format modules import this class
 
         out = dequantize(self)
-        return out if dtype is None or dtype == torch.float32 else out.to(dtype)
+        dtype = self.dtype if dtype is None else dtype
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def scales_swizzled(self) -> torch.Tensor:
         """Block scales in the cuBLAS / CUTLASS 128x4 tiled layout (see ``swizzle_scales``)."""

@@ -1,0 +1,99 @@
+"""Every fast (torch.compile) path is bit-identical to the eager reference, and falls back to it."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import blockscale as bs
+
+
+def _hard(rows=48, cols=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-5, 4, cols)
+    x[0, :40] = 0.0
+    x[1, 7] = -0.0
+    x[2, :16] = torch.tensor([10.0, 20, 30, 40] + [0.0] * 12)
+    x[3, 16:32] = torch.tensor([12.0] + [0.0] * 15)  # an exact 4/6 tie
+    x[4] *= 1e-20  # tiny rows next to a large tensor amax
+    return x
+
+
+FAST_SPECS = [
+    bs.NVFP4(),
+    bs.NVFP4(scale_rule="4"),
+    bs.NVFP4(scale_rule="4over6", error="mse"),
+    bs.NVFP4(scale_rule="4over6", error="mae"),
+    bs.NVFP4(scale_rule="4over6", error="maxabs", outer="row"),
+    bs.NVFP4(scale_rule="4over6", error="mse", block_2d=True),
+    bs.NVFP4(block_2d=True, outer=50.0),
+    bs.NVFP4(scale_rule="sweep"),
+    bs.NVFP4(scale_rule="sweep", block_2d=True),
+    bs.NVFP4(rounding="stochastic", sr_mode="hardware", outer="row"),
+    bs.NVFP4(scale_rule="4over6", rounding="stochastic", sr_mode="exact"),
+    bs.MX(element="e4m3"),
+    bs.MX(element="e5m2", scale_rule="floor", dim=0),
+    bs.MX(element="e2m1", rounding="stochastic"),
+    bs.MX(element="e4m3", rounding="stochastic", sr_mode="exact"),
+    bs.S2F6(),
+    bs.S2F6(hadamard=False, scale_rule="floor", rounding="stochastic"),
+]
+
+
+def _bits(t):
+    if t is None:
+        return None
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) if t.element_size() == 4 else t
+
+
+def _run(x, spec, backend):
+    with bs.use_backend(backend):
+        q = bs.quantize(x, spec, generator=torch.Generator().manual_seed(11))
+        return q, q.dequantize()
+
+
+@pytest.mark.parametrize("spec", FAST_SPECS, ids=str)
+def test_compiled_equals_reference(spec):
+    # one shape for all (each new shape is a new compilation); bf16 input: kernels see its FP32 values
+    for x in (_hard(), _hard(seed=1).to(torch.bfloat16)):
+        (qa, da), (qb, db) = _run(x, spec, "reference"), _run(x, spec, "compiled")
+        for name in ("codes", "scales", "outer_scale", "amax"):
+            a, b = getattr(qa, name), getattr(qb, name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(_bits(a), _bits(b)), name
+        assert torch.equal(da.view(torch.int32), db.view(torch.int32))
+
+
+def test_compiled_equals_reference_on_randn_4over6_large():
+    """Many near-ties: one fixed summation order in both paths."""
+    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    spec = bs.NVFP4(scale_rule="4over6")
+    (qa, _), (qb, _) = _run(x, spec, "reference"), _run(x, spec, "compiled")
+    assert torch.equal(qa.scales.view(torch.uint8), qb.scales.view(torch.uint8))
+    assert torch.equal(qa.codes, qb.codes)
+
+
+def test_falls_back_with_one_warning_when_compilation_is_unavailable(tmp_path):
+    code = textwrap.dedent("""
+        import warnings, torch, blockscale as bs
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            a = bs.quantize(x, bs.NVFP4()).dequantize()
+            b = bs.quantize(x, bs.MX()).dequantize()
+            c = bs.quantize(x, bs.S2F6()).dequantize()
+        ours = [str(m.message) for m in w if "blockscale" in str(m.message)]
+        assert len(ours) == 1 and "torch.compile is unavailable" in ours[0], ours
+        with bs.use_backend("reference"):
+            assert torch.equal(a, bs.quantize(x, bs.NVFP4()).dequantize())
+            assert torch.equal(b, bs.quantize(x, bs.MX()).dequantize())
+            assert torch.equal(c, bs.quantize(x, bs.S2F6()).dequantize())
+        print("OK")
+    """)
+    env = dict(os.environ, CXX="/nonexistent/c++", BLOCKSCALE_BACKEND="compiled",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
