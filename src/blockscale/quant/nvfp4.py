@@ -96,7 +96,9 @@ def _block_amax(xb: torch.Tensor, block_2d: bool) -> torch.Tensor:
 
 
 def _quantize_blocks(xb, S, rand, rule: str, error: str, block_2d: bool, rounding: str, sr_mode: str):
-    """Kernel for rules "6", "4", "4over6": blocks [R, nb, 16], S [R, 1, 1] -> (packed codes [R, nb*8], scales [R, nb])."""
+    """Kernel for rules "6", "4", "4over6": blocks [R, nb, 16] (any float dtype), S [R, 1, 1] ->
+    (unpacked codes [R, nb*16], scales [R, nb])."""
+    xb = xb.float()
     inv_s = 1.0 / S
     t = _block_amax(xb, block_2d) * (S * (1.0 / 6.0))
     if rule == "6":
@@ -116,6 +118,7 @@ def _quantize_blocks(xb, S, rand, rule: str, error: str, block_2d: bool, roundin
 
 def _sweep_init(xb, S, block_2d: bool):
     """Sweep start: the scale-to-6 block scales and their squared error."""
+    xb = xb.float()
     inv_s = 1.0 / S
     s = _e4m3(_block_amax(xb, block_2d) * (S * (1.0 / 6.0)))
     return s, _error(xb, s, inv_s, None, "nearest", "hardware", "mse", block_2d).unsqueeze(-1)
@@ -123,6 +126,7 @@ def _sweep_init(xb, S, block_2d: bool):
 
 def _sweep_step(xb, S, cand, best_s, best_err, block_2d: bool):
     """One sweep candidate (0-d FP32 tensor): keep it where its squared error is strictly lower."""
+    xb = xb.float()
     inv_s = 1.0 / S
     s = cand.expand_as(best_s)
     err = _error(xb, s, inv_s, None, "nearest", "hardware", "mse", block_2d).unsqueeze(-1)
@@ -131,7 +135,7 @@ def _sweep_step(xb, S, cand, best_s, best_err, block_2d: bool):
 
 
 def _sweep_finish(xb, S, best_s):
-    codes = _encode(xb, best_s, 1.0 / S, None, "nearest", "hardware")
+    codes = _encode(xb.float(), best_s, 1.0 / S, None, "nearest", "hardware")
     return codes.reshape(xb.shape[0], -1), best_s.squeeze(-1)
 
 
@@ -148,11 +152,11 @@ _sweep_step_fast = fast_kernel(_sweep_step)
 _sweep_finish_fast = fast_kernel(_sweep_finish)
 
 
-def _dequantize_blocks(packed, scales, inv_s):
-    """packed [R, nb*8], scales [R, nb] (FP32), inv_s [R, 1] -> FP32 [R, nb*16]."""
+def _dequantize_blocks(packed, scales, inv_s, out_dtype):
+    """packed [R, nb*8], scales [R, nb] (FP32), inv_s [R, 1] -> [R, nb*16]: FP32 values cast to ``out_dtype``."""
     q = e2m1_lut(packed.device)[unpack_nibbles(packed).long()]
     r, nb = scales.shape
-    return ((q.view(r, nb, BLOCK) * scales.unsqueeze(-1)) * inv_s.unsqueeze(-1)).view(r, nb * BLOCK)
+    return ((q.view(r, nb, BLOCK) * scales.unsqueeze(-1)) * inv_s.unsqueeze(-1)).view(r, nb * BLOCK).to(out_dtype)
 
 
 _dequantize_blocks_fast = fast_kernel(_dequantize_blocks)
@@ -187,7 +191,8 @@ def _outer(x3: torch.Tensor, spec: NVFP4, shape: torch.Size):
 
 
 def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | None = None) -> QuantizedTensor:
-    """Quantize finite FP32 ``x`` (any shape) to NVFP4. Use ``blockscale.quantize`` for checked input."""
+    """Quantize finite ``x`` (FP32 / BF16 / FP16, any shape; kernels compute in FP32) to NVFP4.
+    Use ``blockscale.quantize`` for checked input."""
     shape = x.shape
     K = shape[-1] if x.dim() else 1
     M = shape[-2] if x.dim() >= 2 else 1
@@ -234,22 +239,22 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
                            outer_scale=S_st, amax=amax_st)
 
 
-def dequantize_nvfp4(q: QuantizedTensor) -> torch.Tensor:
-    """x^ = (q * s) * (1/S) in FP32, shaped like the original tensor."""
+def dequantize_nvfp4(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x^ = (q * s) * (1/S) in FP32 (then cast to ``dtype``), shaped like the original tensor."""
     shape = q.shape
     K = shape[-1] if len(shape) else 1
     Kp = q.codes.shape[-1] * 2
     R = q.codes.numel() // max(q.codes.shape[-1], 1) if q.codes.numel() else 0
     if R == 0 or Kp == 0:
-        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+        return torch.zeros(shape, dtype=dtype, device=q.device)
     lead = tuple(shape[:-1]) if len(shape) else ()
     inv_s = (1.0 / q.outer_scale).expand(lead + (1,) if lead else (1,)).reshape(R, 1)
     packed = q.codes.reshape(R, Kp // 2)
     scales = q.scales.reshape(R, Kp // BLOCK).to(torch.float32)
     if want_compiled(R * Kp):
-        out = _dequantize_blocks_fast(packed, scales, inv_s)
+        out = _dequantize_blocks_fast(packed, scales, inv_s, dtype)
     else:
-        out = torch.empty(R, Kp, dtype=torch.float32, device=q.device)
+        out = torch.empty(R, Kp, dtype=dtype, device=q.device)
         for rows in row_chunks(R, Kp):
-            out[rows] = _dequantize_blocks(packed[rows], scales[rows], inv_s[rows])
+            out[rows] = _dequantize_blocks(packed[rows], scales[rows], inv_s[rows], dtype)
     return out[:, :K].reshape(shape)

@@ -28,6 +28,7 @@ _ROTATION_LIMIT = torch.finfo(torch.float32).max / BLOCK
 
 def _s2f6_blocks(xb, signs, rand, rule: str, rounding: str, sr_mode: str):
     """Blocks [R, nb, 32] (rotated first when ``signs`` is given) -> (int8 codes [R, nb*32], b [R, nb])."""
+    xb = xb.float()
     if signs is not None:
         xb = rht_blocks(xb, signs)
     amax = torch.abs(xb).amax(dim=-1, keepdim=True)
@@ -36,12 +37,12 @@ def _s2f6_blocks(xb, signs, rand, rule: str, rounding: str, sr_mode: str):
     return codes.reshape(xb.shape[0], -1), encode_ue8m0(k.squeeze(-1))
 
 
-def _s2f6_dequant_blocks(codes, b, signs):
+def _s2f6_dequant_blocks(codes, b, signs, out_dtype):
     r, nb = b.shape
     v = decode_s2f6(codes).view(r, nb, BLOCK) * decode_ue8m0(b).unsqueeze(-1)
     if signs is not None:
         v = inverse_rht_blocks(v, signs)
-    return v.reshape(r, nb * BLOCK)
+    return v.reshape(r, nb * BLOCK).to(out_dtype)
 
 
 _s2f6_blocks_fast = fast_kernel(_s2f6_blocks)
@@ -76,20 +77,20 @@ def quantize_s2f6(x: torch.Tensor, spec: S2F6, generator: torch.Generator | None
                            shape=shape, dtype=x.dtype, signs=signs)
 
 
-def dequantize_s2f6(q: QuantizedTensor) -> torch.Tensor:
+def dequantize_s2f6(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize and undo the rotation; padding dropped."""
     shape = q.shape
     K = shape[-1] if len(shape) else 1
     nb = q.scales.shape[-1]
     R = math.prod(shape[:-1]) if len(shape) else 1
     if R * K == 0:
-        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+        return torch.zeros(shape, dtype=dtype, device=q.device)
     codes = q.codes.reshape(R, nb * BLOCK)
     b = q.scales.reshape(R, nb)
     if want_compiled(R * nb * BLOCK):
-        out = _s2f6_dequant_blocks_fast(codes, b, q.signs)
+        out = _s2f6_dequant_blocks_fast(codes, b, q.signs, dtype)
     else:
-        out = torch.empty(R, nb * BLOCK, dtype=torch.float32, device=q.device)
+        out = torch.empty(R, nb * BLOCK, dtype=dtype, device=q.device)
         for rows in row_chunks(R, nb * BLOCK):
-            out[rows] = _s2f6_dequant_blocks(codes[rows], b[rows], q.signs)
+            out[rows] = _s2f6_dequant_blocks(codes[rows], b[rows], q.signs, dtype)
     return out[:, :K].reshape(shape)

@@ -37,9 +37,7 @@ class QuantizedTensor:
         """The represented values, as ``dtype`` (None: the original dtype); padding removed."""
         from .dispatch import dequantize  # the format modules import this class
 
-        out = dequantize(self)
-        dtype = self.dtype if dtype is None else dtype
-        return out if dtype == torch.float32 else out.to(dtype)
+        return dequantize(self, self.dtype if dtype is None else dtype)
 
     def scales_swizzled(self) -> torch.Tensor:
         """Block scales in the cuBLAS / CUTLASS 128x4 tiled layout (see ``swizzle_scales``)."""
