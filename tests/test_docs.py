@@ -8,8 +8,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def test_formats_md_examples_run():
-    with bs.use_backend("reference"):
-        result = doctest.testfile(str(DOCS / "formats.md"), module_relative=False,
-                                  optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert bs.get_backend() == "auto"  # the page shows the default
+    result = doctest.testfile(str(DOCS / "formats.md"), module_relative=False,
+                              optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 20
     assert result.failed == 0
