@@ -23,6 +23,8 @@ from .quant import (
     unswizzle_scales,
     use_backend,
 )
+from .recipes import LinearRecipe, Recipe, get_recipe, list_recipes, load_recipe_file, save_recipe  # noqa: E402
+from .nn import ConversionReport, QuantizedLinear, convert, unconvert  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -30,4 +32,6 @@ __all__ = [
     "MX", "NVFP4", "S2F6", "QuantizedTensor", "TE_SIGNS_16", "dequantize", "fake_quantize", "get_backend",
     "hadamard", "hadamard_matrix", "inverse_hadamard", "quantize", "random_signs", "set_backend",
     "swizzle_scales", "unswizzle_scales", "use_backend",
+    "LinearRecipe", "Recipe", "get_recipe", "list_recipes", "load_recipe_file", "save_recipe",
+    "ConversionReport", "QuantizedLinear", "convert", "unconvert",
 ]

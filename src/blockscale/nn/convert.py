@@ -1,0 +1,108 @@
+"""convert / unconvert: swap a model's nn.Linear layers for QuantizedLinear in place, and back.
+
+Rules, in order, for each ``nn.Linear`` (by qualified module name):
+1. a match of any ``recipe.exclude`` regular expression -> left as it is;
+2. inside one of the last ``recipe.n_last_blocks(n)`` transformer blocks -> the
+   ``recipe.last_blocks_recipe`` linear recipe;
+3. otherwise -> ``recipe.linear``.
+Transformer blocks are the children of the model's largest ``nn.ModuleList`` (``layers`` in Llama
+models, ``h`` in GPT-2, ``layer`` in BERT). Parameters are shared, not copied, so optimizers and
+``state_dict`` keys are unchanged.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..recipes import Recipe, get_recipe
+from .linear import QuantizedLinear
+
+
+@dataclass
+class ConversionReport:
+    """What ``convert`` did: module name -> recipe name, plus the excluded linear layers."""
+
+    recipe: str
+    converted: dict = field(default_factory=dict)
+    excluded: list = field(default_factory=list)
+    blocks: str | None = None
+    n_blocks: int = 0
+    n_last_blocks: int = 0
+
+    def counts(self) -> dict:
+        out: dict = {}
+        for r in self.converted.values():
+            out[r] = out.get(r, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        per = ", ".join(f"{n} x {r}" for r, n in self.counts().items()) or "nothing"
+        s = f"convert({self.recipe}): {len(self.converted)} linear layers converted ({per}); "
+        s += f"{len(self.excluded)} kept as they are"
+        if self.excluded:
+            s += f" ({', '.join(self.excluded[:6])}{', ...' if len(self.excluded) > 6 else ''})"
+        if self.blocks is not None:
+            s += f"; {self.n_blocks} blocks in '{self.blocks}', last {self.n_last_blocks} in the high-precision recipe"
+        return s
+
+
+def find_blocks(model: nn.Module) -> tuple[str | None, int]:
+    """Qualified name and length of the largest nn.ModuleList (the transformer blocks), or (None, 0)."""
+    best, n = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > n:
+            best, n = name, len(mod)
+    return (best, n) if n >= 1 else (None, 0)
+
+
+def _block_index(name: str, blocks: str | None) -> int | None:
+    if blocks is None:
+        return None
+    prefix = f"{blocks}." if blocks else ""
+    if not name.startswith(prefix):
+        return None
+    head = name[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> ConversionReport:
+    """Swap ``model``'s nn.Linear layers for QuantizedLinear per ``recipe`` (a Recipe, built-in name
+    or YAML path), in place. Already converted layers get the new recipe. Returns a report."""
+    recipe: Recipe = get_recipe(recipe)
+    last = get_recipe(recipe.last_blocks_recipe) if recipe.last_blocks_recipe else None
+    blocks, n_blocks = find_blocks(model)
+    n_last = recipe.n_last_blocks(n_blocks) if last is not None else 0
+    first_last = n_blocks - n_last
+    report = ConversionReport(recipe=recipe.name, blocks=blocks, n_blocks=n_blocks, n_last_blocks=n_last)
+    patterns = [re.compile(p) for p in recipe.exclude]
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name, mod in targets:
+        if any(p.search(name) for p in patterns):
+            report.excluded.append(name)
+            continue
+        idx = _block_index(name, blocks)
+        use = last if (last is not None and idx is not None and idx >= first_last) else recipe
+        if isinstance(mod, QuantizedLinear):
+            mod.recipe, mod.generator = use.linear, generator
+        else:
+            _set_child(model, name, QuantizedLinear.from_linear(mod, use.linear, generator))
+        report.converted[name] = use.name
+    if verbose:
+        print(report)
+    return report
+
+
+def unconvert(model: nn.Module) -> int:
+    """Replace every QuantizedLinear in ``model`` by a plain nn.Linear (shared parameters); returns the count."""
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, QuantizedLinear)]
+    for name, mod in targets:
+        _set_child(model, name, mod.to_linear())
+    return len(targets)

@@ -1,0 +1,81 @@
+"""Quantized GEMM operands and the GEMM itself (``A @ B^T``), per backend.
+
+An operand is prepared once (``prepare_operand``): quantized to its spec along the last (reduction)
+dim, or cast to the unquantized dtype. The emulated GEMM dequantizes and multiplies in FP32 (the
+accumulation precision of block-scaled tensor cores). A real low-precision kernel (e.g.
+``torch._scaled_mm`` with block scales on GPUs that have it) registers itself with
+``register_gemm_backend`` and receives the packed operands instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..quant import QuantizedTensor, quantize
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class Operand:
+    """A GEMM operand: either a QuantizedTensor (``q``) or a plain tensor (``t``) in the unquantized dtype."""
+
+    q: Optional[QuantizedTensor] = None
+    t: Optional[torch.Tensor] = None
+
+    def values(self) -> torch.Tensor:
+        """The operand's values in FP32 (what an FP32-accumulating tensor core multiplies)."""
+        return self.q.dequantize(torch.float32) if self.q is not None else self.t.to(torch.float32)
+
+    _OPTIONAL = ("outer_scale", "amax", "signs")
+
+    def pack(self) -> tuple[list, tuple | None]:
+        """(tensors to save for backward, metadata): packed codes and scales, or the cast tensor."""
+        if self.q is None:
+            return [self.t], None
+        q = self.q
+        present = tuple(n for n in self._OPTIONAL if getattr(q, n) is not None)
+        return [q.codes, q.scales] + [getattr(q, n) for n in present], (q.spec, q.shape, q.dtype, present)
+
+    @staticmethod
+    def unpack(tensors, meta) -> "Operand":
+        """Inverse of ``pack``."""
+        if meta is None:
+            return Operand(t=tensors[0])
+        spec, shape, dtype, present = meta
+        kw = dict(zip(("codes", "scales") + present, tensors))
+        return Operand(q=QuantizedTensor(spec=spec, shape=shape, dtype=dtype, **kw))
+
+
+def prepare_operand(x: torch.Tensor, spec, unquantized_dtype: str, generator=None) -> Operand:
+    """Quantize ``x`` along its last dim to ``spec``, or cast it (spec None)."""
+    if spec is None:
+        return Operand(t=x.detach().to(_DTYPES[unquantized_dtype]))
+    return Operand(q=quantize(x.detach(), spec, generator=generator))
+
+
+def emulated_gemm(a: Operand, b: Operand) -> torch.Tensor:
+    """A @ B^T from dequantized FP32 operands, FP32 result."""
+    return a.values() @ b.values().transpose(0, 1)
+
+
+_GEMM_BACKENDS: dict[str, Callable[[Operand, Operand], torch.Tensor]] = {"emulated": emulated_gemm}
+_ACTIVE = {"name": "emulated"}
+
+
+def register_gemm_backend(name: str, fn: Callable[[Operand, Operand], torch.Tensor]) -> None:
+    """Add a GEMM implementation ``fn(a, b) -> FP32 A @ B^T`` (it must equal the emulation's math)."""
+    _GEMM_BACKENDS[name] = fn
+
+
+def set_gemm_backend(name: str) -> None:
+    if name not in _GEMM_BACKENDS:
+        raise ValueError(f"gemm backend {name!r} is not registered; available: {', '.join(_GEMM_BACKENDS)}")
+    _ACTIVE["name"] = name
+
+
+def gemm(a: Operand, b: Operand) -> torch.Tensor:
+    """A @ B^T with the active backend (FP32 out)."""
+    return _GEMM_BACKENDS[_ACTIVE["name"]](a, b)
