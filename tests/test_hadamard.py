@@ -327,3 +327,20 @@ def test_hadamard_does_not_modify_input():
     bs.hadamard(x, 32, signs=bs.random_signs(32, seed=0))
     bs.inverse_hadamard(x, 32, signs=bs.random_signs(32, seed=0))
     assert torch.equal(x, x0)
+
+
+def test_hadamard_gemm_is_the_same_transform():
+    from blockscale.quant.hadamard import hadamard_gemm, rht_matrix
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 96, generator=g)
+    for n in (16, 32):
+        signs = bs.random_signs(n, seed=1)
+        ref = bs.hadamard(x, n=n, signs=signs)
+        got = hadamard_gemm(x, n=n, signs=signs)
+        assert torch.allclose(got, ref, rtol=0, atol=4e-6 * x.abs().max().item())
+        m = rht_matrix(n, signs, dtype=torch.float64)
+        assert torch.allclose(m @ m.t(), torch.eye(n, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(rht_matrix(16, bs.TE_SIGNS_16) * 4, torch.tensor(bs.TE_SIGNS_16)[:, None] * bs.hadamard_matrix(16))
+    with pytest.raises(ValueError, match="multiple of n=16"):
+        hadamard_gemm(torch.zeros(3, 20))

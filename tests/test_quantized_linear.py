@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import blockscale as bs
 from blockscale.nn import QuantizedLinear
+from blockscale.quant.hadamard import rht_matrix
 from blockscale.recipes import LinearRecipe, get_recipe
 
 RECIPES = ["bf16", "mxfp8", "nvfp4-nvidia", "nvfp4-nvidia-4over6", "nvfp4-fwd-mxfp8-bwd"]
@@ -52,8 +53,10 @@ def _manual(lin, x, dy, r: LinearRecipe, seed):
     if r.wgrad_hadamard:
         signs = bs.TE_SIGNS_16 if r.hadamard_signs == "te" else bs.random_signs(r.wgrad_hadamard, generator=g)
         pad = (-at.shape[-1]) % r.wgrad_hadamard
-        at = bs.hadamard(F.pad(at, (0, pad)), n=r.wgrad_hadamard, signs=signs)
-        bt = bs.hadamard(F.pad(bt, (0, pad)), n=r.wgrad_hadamard, signs=signs)
+        # the layer applies the RHT as one GEMM with the n x n matrix diag(s) H / sqrt(n)
+        m = rht_matrix(r.wgrad_hadamard, signs)
+        at = (F.pad(at, (0, pad)).reshape(-1, r.wgrad_hadamard) @ m).reshape(at.shape[0], -1)
+        bt = (F.pad(bt, (0, pad)).reshape(-1, r.wgrad_hadamard) @ m).reshape(bt.shape[0], -1)
     dw = _op(at.contiguous(), r.wgrad_grad, r, g) @ _op(bt.contiguous(), r.wgrad_input, r, g).t()
     return y.view(*x.shape[:-1], -1), dx.view_as(x), dw, dy2.sum(0), (xq, wq, at.contiguous(), bt.contiguous())
 

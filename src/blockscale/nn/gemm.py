@@ -13,26 +13,29 @@ from typing import Callable, Optional
 
 import torch
 
-from ..quant import QuantizedTensor, quantize
+from ..quant import QuantizedTensor, fake_quantize
+from ..quant.dispatch import quantize_with_values
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
 class Operand:
-    """A GEMM operand: either a QuantizedTensor (``q``) or a plain tensor (``t``) in the unquantized dtype."""
+    """A GEMM operand: a QuantizedTensor (``q``) and/or its values (``t``: the dequantized FP32
+    values, or the operand cast to the unquantized dtype)."""
 
     q: Optional[QuantizedTensor] = None
     t: Optional[torch.Tensor] = None
 
     def values(self) -> torch.Tensor:
         """The operand's values in FP32 (what an FP32-accumulating tensor core multiplies)."""
-        return self.q.dequantize(torch.float32) if self.q is not None else self.t.to(torch.float32)
+        return self.t.to(torch.float32) if self.t is not None else self.q.dequantize(torch.float32)
 
     _OPTIONAL = ("outer_scale", "amax", "signs")
 
     def pack(self) -> tuple[list, tuple | None]:
-        """(tensors to save for backward, metadata): packed codes and scales, or the cast tensor."""
+        """(tensors to save for backward, metadata): packed codes and scales (values dropped: that
+        is the memory saving), or the cast tensor."""
         if self.q is None:
             return [self.t], None
         q = self.q
@@ -49,11 +52,15 @@ class Operand:
         return Operand(q=QuantizedTensor(spec=spec, shape=shape, dtype=dtype, **kw))
 
 
-def prepare_operand(x: torch.Tensor, spec, unquantized_dtype: str, generator=None) -> Operand:
-    """Quantize ``x`` along its last dim to ``spec``, or cast it (spec None)."""
+def prepare_operand(x: torch.Tensor, spec, unquantized_dtype: str, generator=None, keep_codes: bool = False) -> Operand:
+    """Quantize ``x`` along its last dim to ``spec`` (or cast it, spec None). Only the dequantized
+    values are produced unless ``keep_codes`` (an operand saved for backward)."""
     if spec is None:
         return Operand(t=x.detach().to(_DTYPES[unquantized_dtype]))
-    return Operand(q=quantize(x.detach(), spec, generator=generator))
+    if keep_codes:
+        q, v = quantize_with_values(x.detach(), spec, generator=generator)
+        return Operand(q=q, t=v)
+    return Operand(t=fake_quantize(x.detach(), spec, generator, dtype=torch.float32))
 
 
 def emulated_gemm(a: Operand, b: Operand) -> torch.Tensor:

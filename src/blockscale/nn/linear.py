@@ -12,17 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant import TE_SIGNS_16, hadamard, random_signs
+from ..quant import TE_SIGNS_16, random_signs
+from ..quant.hadamard import hadamard_gemm
 from ..recipes import LinearRecipe
 from .gemm import Operand, gemm, prepare_operand
 
 
 def _rht_tokens(t: torch.Tensor, n: int, signs) -> torch.Tensor:
-    """Hadamard transform along the last (token) dim, zero-padded to a multiple of n (zeros add nothing)."""
+    """Random Hadamard transform along the last (token) dim, zero-padded to a multiple of n (zero
+    tokens add nothing to dW), as one GEMM with the n x n matrix (it cancels in dy^T x anyway)."""
     pad = (-t.shape[-1]) % n
     if pad:
         t = F.pad(t, (0, pad))
-    return hadamard(t, n=n, signs=signs)
+    return hadamard_gemm(t.contiguous(), n=n, signs=signs)
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -31,8 +33,8 @@ class _QuantizedLinearFn(torch.autograd.Function):
         r = recipe
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        xa = prepare_operand(x2, r.fprop_input, r.unquantized_dtype, generator)
-        wb = prepare_operand(weight, r.fprop_weight, r.unquantized_dtype, generator)
+        xa = prepare_operand(x2, r.fprop_input, r.unquantized_dtype, generator, keep_codes=True)
+        wb = prepare_operand(weight, r.fprop_weight, r.unquantized_dtype, generator, keep_codes=True)
         y = gemm(xa, wb)
         if bias is not None:
             y = y + bias.to(torch.float32)

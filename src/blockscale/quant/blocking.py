@@ -1,6 +1,8 @@
 """Shared plumbing for block quantizers: padding to whole blocks and row chunks for eager code."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -30,13 +32,17 @@ def row_chunks(n_rows: int, row_elems: int, row_multiple: int = 1):
 def draw_random(shape, rounding: str, sr_mode: str, generator, device) -> torch.Tensor | None:
     """Random numbers for stochastic rounding, drawn once for the whole (padded) tensor.
 
-    "hardware": uint8 bits; "exact": FP32 uniforms with 24 random bits. None for rounding="nearest".
+    "hardware": uint8 bits (uniform 32-bit integers viewed as 4 bytes each: 4x fewer generator
+    calls than drawing bytes); "exact": FP32 uniforms with 24 random bits. None for "nearest".
     """
     if rounding == "nearest":
         return None
+    shape = tuple(shape)
     if sr_mode == "hardware":
-        return torch.randint(0, 256, tuple(shape), dtype=torch.uint8, generator=generator, device=device)
-    return torch.rand(tuple(shape), dtype=torch.float32, generator=generator, device=device)
+        n = math.prod(shape)
+        words = torch.randint(-(2**31), 2**31, ((n + 3) // 4,), dtype=torch.int32, generator=generator, device=device)
+        return words.view(torch.uint8)[:n].view(shape)
+    return torch.rand(shape, dtype=torch.float32, generator=generator, device=device)
 
 
 def abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """quantize / fake_quantize / dequantize for any format spec, with input checks."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .mx import dequantize_mx, quantize_mx
@@ -28,24 +30,36 @@ def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
     return x.detach().to(torch.float32 if x.dtype == torch.float64 else x.dtype).contiguous()
 
 
+def _quantize(x, spec, generator, check_finite: bool, outputs: str):
+    xc = _check_input(x, spec, check_finite)
+    if isinstance(spec, NVFP4):
+        out = quantize_nvfp4(xc, spec, generator, outputs)
+    elif isinstance(spec, MX):
+        out = quantize_mx(xc, spec, generator, outputs)
+    else:  # S2F6: the rotation is undone on dequantize; no fused values path
+        q = quantize_s2f6(xc, spec, generator)
+        out = q if outputs == "codes" else dequantize(q) if outputs == "values" else (q, dequantize(q))
+    if outputs == "values":
+        return out
+    q = out if outputs == "codes" else out[0]
+    if q.dtype != x.dtype:
+        q = replace(q, dtype=x.dtype)
+    return q if outputs == "codes" else (q, out[1])
+
+
 def quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, check_finite: bool = True) -> QuantizedTensor:
     """Quantize ``x`` (fp32 / bf16 / fp16, any shape) to ``spec``'s format.
 
     ``generator`` drives stochastic rounding (None: torch's default generator); results are
     deterministic for a given generator state.
     """
-    xc = _check_input(x, spec, check_finite)
-    if isinstance(spec, NVFP4):
-        q = quantize_nvfp4(xc, spec, generator)
-    elif isinstance(spec, MX):
-        q = quantize_mx(xc, spec, generator)
-    else:
-        q = quantize_s2f6(xc, spec, generator)
-    if q.dtype != x.dtype:
-        from dataclasses import replace
+    return _quantize(x, spec, generator, check_finite, "codes")
 
-        q = replace(q, dtype=x.dtype)
-    return q
+
+def quantize_with_values(x: torch.Tensor, spec, generator: torch.Generator | None = None, *,
+                         check_finite: bool = True) -> tuple[QuantizedTensor, torch.Tensor]:
+    """``(quantize(x), its FP32 dequantized values)`` from one pass over ``x``."""
+    return _quantize(x, spec, generator, check_finite, "both")
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -59,5 +73,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
 
 def fake_quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, dtype=None,
                   check_finite: bool = True) -> torch.Tensor:
-    """quantize then dequantize (same numerics); returns ``dtype`` (default: x's dtype)."""
-    return dequantize(quantize(x, spec, generator, check_finite=check_finite), x.dtype if dtype is None else dtype)
+    """quantize then dequantize (same numerics, fused into one pass where possible); returns
+    ``dtype`` (default: x's dtype)."""
+    values = _quantize(x, spec, generator, check_finite, "values")
+    return values.to(x.dtype if dtype is None else dtype)

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .backend import fast_kernel, want_compiled
+
 HADAMARD_SIZES = (16, 32, 64, 128)
 # Transformer Engine's fixed 16-point sign vector (bit i set -> s_i = -1): mask 0xD7E8.
 TE_SIGNS_16 = tuple(-1.0 if (0xD7E8 >> i) & 1 else 1.0 for i in range(16))
@@ -35,6 +37,27 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     return h
+
+
+def rht_matrix(n: int, signs=None, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """The n x n matrix diag(signs) . H_n / sqrt(n) of ``hadamard`` (signs None: plain H_n / sqrt(n))."""
+    _check_n(n)
+    m = hadamard_matrix(n).to(torch.float64) / math.sqrt(n)
+    s = _signs_tensor(signs, n, "cpu")
+    if s is not None:
+        m = s.to(torch.float64)[:, None] * m
+    return m.to(dtype=dtype, device=device)
+
+
+def hadamard_gemm(x: torch.Tensor, n: int = 16, signs=None) -> torch.Tensor:
+    """``hadamard`` along the last dim as one GEMM, ``x_blocks @ rht_matrix(n, signs)``: the same
+    transform, with the BLAS's summation order instead of the butterfly's (bits may differ from
+    ``hadamard`` by FP32 rounding; deterministic for a given shape). Used where speed matters more
+    than matching the butterfly, e.g. the wgrad operands of a training step."""
+    if x.shape[-1] % n:
+        raise ValueError(f"hadamard_gemm: last dim {x.shape[-1]} is not a multiple of n={n}")
+    m = rht_matrix(n, signs, dtype=x.dtype, device=x.device)
+    return (x.reshape(-1, n) @ m).reshape(x.shape)
 
 
 def _butterfly(v: torch.Tensor) -> torch.Tensor:
@@ -79,6 +102,10 @@ def inverse_rht_blocks(v: torch.Tensor, signs: torch.Tensor | None) -> torch.Ten
     return v if signs is None else v * signs.to(v.dtype)
 
 
+_rht_fast = fast_kernel(rht_blocks)
+_inverse_rht_fast = fast_kernel(inverse_rht_blocks)
+
+
 def hadamard(x: torch.Tensor, n: int = 16, signs=None, dim: int = -1) -> torch.Tensor:
     """x' = x_blocks @ (diag(signs) . H_n / sqrt(n)) over consecutive blocks of ``n`` along ``dim``.
 
@@ -88,7 +115,8 @@ def hadamard(x: torch.Tensor, n: int = 16, signs=None, dim: int = -1) -> torch.T
     _check_n(n)
     dtype = x.dtype
     work = x if dtype in (torch.float32, torch.float64) else x.float()
-    v = rht_blocks(_blocks(work, n, dim), _signs_tensor(signs, n, x.device))
+    v = _blocks(work, n, dim)
+    v = (_rht_fast if want_compiled(v.numel()) else rht_blocks)(v, _signs_tensor(signs, n, x.device))
     return v.reshape(*v.shape[:-2], -1).movedim(-1, dim).to(dtype)
 
 
@@ -97,5 +125,6 @@ def inverse_hadamard(x: torch.Tensor, n: int = 16, signs=None, dim: int = -1) ->
     _check_n(n)
     dtype = x.dtype
     work = x if dtype in (torch.float32, torch.float64) else x.float()
-    v = inverse_rht_blocks(_blocks(work, n, dim), _signs_tensor(signs, n, x.device))
+    v = _blocks(work, n, dim)
+    v = (_inverse_rht_fast if want_compiled(v.numel()) else inverse_rht_blocks)(v, _signs_tensor(signs, n, x.device))
     return v.reshape(*v.shape[:-2], -1).movedim(-1, dim).to(dtype)

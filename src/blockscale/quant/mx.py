@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..formats.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
-from ..formats.fp8 import FP8_DTYPES, FP8_FORMATS, encode_fp8
+from ..formats.fp8 import FP8_DTYPES, FP8_FORMATS, round_fp8
 from ..formats.minifloat import E2M1, mul_pow2
 from ..formats.ue8m0 import decode_ue8m0, encode_ue8m0, scale_exponent_ceil, scale_exponent_floor
 from .backend import fast_kernel, want_compiled
@@ -34,18 +34,27 @@ def block_exponent(amax: torch.Tensor, rule: str, max_elem: float, emax_elem: in
     return scale_exponent_floor(amax, emax_elem)
 
 
-def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str):
-    """Blocks [R, nb, 32] -> (codes [R, nb*32] float8, or [R, nb*16] packed uint8 for e2m1; b [R, nb] uint8)."""
+def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str, outputs: str = "codes"):
+    """Blocks [R, nb, 32] -> (codes [R, nb*32] float8, or [R, nb*16] packed uint8 for e2m1; b [R, nb]
+    uint8; dequantized FP32 values [R, nb*32] when ``outputs`` is "values" or "both")."""
     xb = xb.float()
     amax = torch.abs(xb).amax(dim=-1, keepdim=True)
     k = block_exponent(amax, rule, _ELEMENT_MAX[element], _ELEMENT_EMAX[element])
     scaled = mul_pow2(xb, -k)
     r = xb.shape[0]
+    codes = values = None
     if element == "e2m1":
-        codes = pack_nibbles(encode_e2m1(scaled, rounding, rand, sr_mode).reshape(r, -1))
+        c = encode_e2m1(scaled, rounding, rand, sr_mode)
+        if outputs != "values":
+            codes = pack_nibbles(c.reshape(r, -1))
+        v = decode_e2m1(c)
     else:
-        codes = encode_fp8(scaled, element, rounding, rand, sr_mode).reshape(r, -1)
-    return codes, encode_ue8m0(k.squeeze(-1))
+        v = round_fp8(scaled, FP8_FORMATS[element], rounding, rand, sr_mode)
+        if outputs != "values":
+            codes = v.to(FP8_DTYPES[element]).reshape(r, -1)
+    if outputs != "codes":
+        values = (v * decode_ue8m0(encode_ue8m0(k))).reshape(r, -1)
+    return codes, encode_ue8m0(k.squeeze(-1)), values
 
 
 _mx_blocks_fast = fast_kernel(_mx_blocks)
@@ -67,8 +76,11 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim % n
 
 
-def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = None) -> QuantizedTensor:
-    """Quantize finite FP32 ``x`` to MX along ``spec.dim`` (padded to whole blocks of 32)."""
+def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = None, outputs: str = "codes"):
+    """Quantize finite ``x`` to MX along ``spec.dim`` (padded to whole blocks of 32).
+
+    outputs: "codes" -> QuantizedTensor; "values" -> dequantized FP32 tensor only; "both" -> both.
+    """
     shape = x.shape
     dim = _norm_dim(spec.dim, x.dim())
     xm = (x.reshape(1) if x.dim() == 0 else x).movedim(dim, -1)
@@ -80,20 +92,30 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
     xb = xp.reshape(R, nb, BLOCK)
     rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
     e2m1 = spec.element == "e2m1"
+    want_codes, want_values = outputs != "values", outputs != "codes"
     codes = torch.empty(R, Kp // 2 if e2m1 else Kp, dtype=torch.uint8 if e2m1 else FP8_DTYPES[spec.element],
-                        device=x.device)
+                        device=x.device) if want_codes else None
+    values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
     scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
     if R * Kp:
         fast = want_compiled(R * Kp)
         kernel = _mx_blocks_fast if fast else _mx_blocks
         for rows in ([slice(0, R)] if fast else row_chunks(R, Kp)):
-            c, b = kernel(xb[rows], None if rand is None else rand[rows], spec.element, spec.scale_rule,
-                          spec.rounding, spec.sr_mode)
-            codes[rows] = c
+            c, b, v = kernel(xb[rows], None if rand is None else rand[rows], spec.element, spec.scale_rule,
+                             spec.rounding, spec.sr_mode, outputs)
+            if want_codes:
+                codes[rows] = c
+            if want_values:
+                values[rows] = v
             scales[rows] = b
+    if want_values:
+        values = values[:, :K].reshape(moved).movedim(-1, dim).reshape(shape)
+        if not want_codes:
+            return values
     lead = tuple(moved[:-1])
-    return QuantizedTensor(spec=spec, codes=codes.reshape(lead + (codes.shape[-1],)),
-                           scales=scales.reshape(lead + (nb,)), shape=shape, dtype=x.dtype)
+    q = QuantizedTensor(spec=spec, codes=codes.reshape(lead + (codes.shape[-1],)),
+                        scales=scales.reshape(lead + (nb,)), shape=shape, dtype=x.dtype)
+    return (q, values) if want_values else q
 
 
 def dequantize_mx(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -95,9 +95,11 @@ def _block_amax(xb: torch.Tensor, block_2d: bool) -> torch.Tensor:
     return a
 
 
-def _quantize_blocks(xb, S, rand, rule: str, error: str, block_2d: bool, rounding: str, sr_mode: str):
+def _quantize_blocks(xb, S, rand, rule: str, error: str, block_2d: bool, rounding: str, sr_mode: str,
+                     outputs: str = "codes"):
     """Kernel for rules "6", "4", "4over6": blocks [R, nb, 16] (any float dtype), S [R, 1, 1] ->
-    (unpacked codes [R, nb*16], scales [R, nb])."""
+    (unpacked codes [R, nb*16] or None, scales [R, nb], dequantized values [R, nb*16] or None);
+    ``outputs`` is "codes", "values" or "both"."""
     xb = xb.float()
     inv_s = 1.0 / S
     t = _block_amax(xb, block_2d) * (S * (1.0 / 6.0))
@@ -111,9 +113,14 @@ def _quantize_blocks(xb, S, rand, rule: str, error: str, block_2d: bool, roundin
         # both candidates in one broadcast pass: [2, R, nb, 1] scales -> [2, R, nb] errors
         err = _error(xb, torch.stack((s6, s4)), inv_s, rand, rounding, sr_mode, error, block_2d)
         s = torch.where((err[1] < err[0]).unsqueeze(-1), s4, s6)
-    codes = _encode(xb, s, inv_s, rand, rounding, sr_mode)
+    return _outputs(xb, s, inv_s, rand, rounding, sr_mode, outputs)
+
+
+def _outputs(xb, s, inv_s, rand, rounding, sr_mode, outputs):
     r = xb.shape[0]
-    return codes.reshape(r, -1), s.squeeze(-1)
+    codes = _encode(xb, s, inv_s, rand, rounding, sr_mode).reshape(r, -1) if outputs != "values" else None
+    xhat = _reconstruct(xb, s, inv_s, rand, rounding, sr_mode).reshape(r, -1) if outputs != "codes" else None
+    return codes, s.squeeze(-1), xhat
 
 
 def _sweep_init(xb, S, block_2d: bool):
@@ -134,16 +141,15 @@ def _sweep_step(xb, S, cand, best_s, best_err, block_2d: bool):
     return torch.where(better, s, best_s), torch.where(better, err, best_err)
 
 
-def _sweep_finish(xb, S, best_s):
-    codes = _encode(xb.float(), best_s, 1.0 / S, None, "nearest", "hardware")
-    return codes.reshape(xb.shape[0], -1), best_s.squeeze(-1)
+def _sweep_finish(xb, S, best_s, outputs):
+    return _outputs(xb.float(), best_s, 1.0 / S, None, "nearest", "hardware", outputs)
 
 
-def _sweep_blocks(xb, S, block_2d, init, step, finish):
+def _sweep_blocks(xb, S, block_2d, init, step, finish, outputs):
     best_s, best_err = init(xb, S, block_2d)
     for cand in e4m3_positive_values():
         best_s, best_err = step(xb, S, cand, best_s, best_err, block_2d)
-    return finish(xb, S, best_s)
+    return finish(xb, S, best_s, outputs)
 
 
 _quantize_blocks_fast = fast_kernel(_quantize_blocks)
@@ -190,9 +196,14 @@ def _outer(x3: torch.Tensor, spec: NVFP4, shape: torch.Size):
     return amax_st, outer_scale(amax_st, bound), S_rows
 
 
-def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | None = None) -> QuantizedTensor:
+def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | None = None,
+                   outputs: str = "codes"):
     """Quantize finite ``x`` (FP32 / BF16 / FP16, any shape; kernels compute in FP32) to NVFP4.
-    Use ``blockscale.quantize`` for checked input."""
+    Use ``blockscale.quantize`` for checked input.
+
+    outputs: "codes" -> QuantizedTensor; "values" -> the dequantized FP32 tensor only (fake
+    quantization in one pass, nothing packed); "both" -> (QuantizedTensor, values).
+    """
     shape = x.shape
     K = shape[-1] if x.dim() else 1
     M = shape[-2] if x.dim() >= 2 else 1
@@ -215,8 +226,10 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
     S3 = S_rows.reshape(R, 1, 1)
     rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
 
-    codes = torch.empty(R, Kp // 2, dtype=torch.uint8, device=x.device)
+    want_codes, want_values = outputs != "values", outputs != "codes"
+    codes = torch.empty(R, Kp // 2, dtype=torch.uint8, device=x.device) if want_codes else None
     scales = torch.empty(R, nb, dtype=torch.float32, device=x.device)
+    values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
     if R * Kp:
         fast = want_compiled(R * Kp)
         parts = [slice(0, R)] if fast else row_chunks(R, Kp, BLOCK if spec.block_2d else 1)
@@ -225,18 +238,27 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
             if spec.scale_rule == "sweep":
                 kernels = (_sweep_init_fast, _sweep_step_fast, _sweep_finish_fast) if fast else (
                     _sweep_init, _sweep_step, _sweep_finish)
-                c, s = _sweep_blocks(*args, spec.block_2d, *kernels)
+                c, s, v = _sweep_blocks(*args, spec.block_2d, *kernels, outputs)
             else:
                 kernel = _quantize_blocks_fast if fast else _quantize_blocks
                 r = None if rand is None else rand[rows]
-                c, s = kernel(*args, r, spec.scale_rule, spec.error, spec.block_2d, spec.rounding, spec.sr_mode)
-            codes[rows] = pack_nibbles(c)
+                c, s, v = kernel(*args, r, spec.scale_rule, spec.error, spec.block_2d, spec.rounding, spec.sr_mode,
+                                 outputs)
+            if want_codes:
+                codes[rows] = pack_nibbles(c)
+            if want_values:
+                values[rows] = v
             scales[rows] = s
+    if want_values:
+        values = values.view(B, Mp, Kp)[:, :M, :K].reshape(shape)
+        if not want_codes:
+            return values
     lead = tuple(shape[:-1]) if x.dim() else ()
     codes = codes.view(B, Mp, Kp // 2)[:, :M].reshape(lead + (Kp // 2,))
     scales = scales.view(B, Mp, nb)[:, :M].reshape(lead + (nb,)).to(torch.float8_e4m3fn)
-    return QuantizedTensor(spec=spec, codes=codes, scales=scales, shape=shape, dtype=x.dtype,
-                           outer_scale=S_st, amax=amax_st)
+    q = QuantizedTensor(spec=spec, codes=codes, scales=scales, shape=shape, dtype=x.dtype,
+                        outer_scale=S_st, amax=amax_st)
+    return (q, values) if want_values else q
 
 
 def dequantize_nvfp4(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,0 +1,451 @@
+"""Pretraining loop for decoder LMs: AdamW, warmup + cosine LR, clipping, accumulation, DDP,
+JSONL metrics, atomic checkpoints and exact resume.
+
+    result = train(model, load_data("tinystories"), TrainConfig(steps=200, out_dir="runs/x"))
+    result = train(model, data, cfg, resume=True)        # continue from runs/x/ckpt.pt
+
+A model is any ``nn.Module`` with ``forward(idx, targets) -> (logits, loss)`` (loss: mean over
+tokens). ``data`` is anything with ``TokenData.get_batch``'s signature.
+
+Exact resume: batches are a pure function of (seed, step, micro_step, rank) (see ``data.py``) and
+the global torch RNG is reseeded from (seed, step, rank) at the start of every step (dropout etc.),
+so a run restored from the checkpoint after step k (model, optimizer, step) repeats an
+uninterrupted run bit for bit (on CPU; on CUDA only where the kernels are deterministic).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import zipfile
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from .data import derive_seed
+from .distributed import (DistInfo, all_reduce_mean, barrier, cleanup_distributed, env_world, no_sync,
+                          setup_distributed, wrap_ddp)
+
+CKPT_NAME = "ckpt.pt"
+METRICS_NAME = "metrics.jsonl"
+CKPT_FORMAT = "blockscale.train/1"
+VAL_SEED = 0  # val batches do not depend on cfg.seed, so runs with different seeds compare on one set
+_RNG_TAG = 3  # derive_seed part for the per-step torch RNG (1, 2 are the data splits)
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters. Batch per optimizer step = batch_size * grad_accum * world_size sequences.
+
+    warmup_steps: LR rises linearly to ``lr``, then follows a cosine to ``min_lr`` at ``steps``.
+    grad_clip: max global grad norm (0 disables). eval_interval / ckpt_interval: every N steps
+    (0: only at the end). eval_batches: fixed val batches per evaluation (0: no evaluation).
+    autocast: "auto" (bf16 on CUDA with bf16 support, else none) | "bf16" (also on CPU: opt-in,
+    slow there) | "none". device: "auto" | "cpu" | "cuda" | "cuda:N". out_dir: None writes nothing.
+    """
+
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 128
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_interval: int = 100
+    eval_batches: int = 20
+    seed: int = 1337
+    out_dir: Optional[str] = None
+    ckpt_interval: int = 0
+    autocast: str = "auto"
+    device: str = "auto"
+    log_interval: int = 10
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.out_dir is not None:
+            self.out_dir = str(self.out_dir)
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)}: expected > 0")
+        for name in ("warmup_steps", "eval_interval", "eval_batches", "ckpt_interval", "grad_clip",
+                     "weight_decay", "min_lr"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)}: expected >= 0")
+        if self.autocast not in ("auto", "bf16", "none"):
+            raise ValueError(f"TrainConfig.autocast={self.autocast!r}: expected 'auto', 'bf16' or 'none'")
+
+    def to_dict(self) -> dict:
+        """Plain primitives only (what checkpoints and config.json store)."""
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` did. ``train_losses[i]`` is the loss of step ``start_step + i + 1`` (1-based)."""
+
+    step: int
+    start_step: int
+    final_train_loss: Optional[float]
+    final_val_loss: Optional[float]
+    train_losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    metrics_path: Optional[Path] = None
+    checkpoint_path: Optional[Path] = None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read or does not fit the model / optimizer."""
+
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """LR of 0-based ``step``: lr*(step+1)/warmup_steps during warmup, then a cosine from lr (at
+    step == warmup_steps) to min_lr (at step == steps; min_lr after)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * t))
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on parameters with >= 2 dims (matrices, embeddings), none on gains/biases."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas)
+
+
+def grad_norm(parameters) -> torch.Tensor:
+    """Global L2 norm of all gradients (fp32)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in parameters if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm`` (0: no clipping); returns the
+    norm before clipping."""
+    parameters = list(parameters)
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return grad_norm(parameters)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(path: Union[str, Path], model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                    cfg: TrainConfig, **extra) -> Path:
+    """Write {model, optimizer, step, rng, config, **extra} to ``path`` atomically (tmp + os.replace).
+    Everything is a tensor or a primitive, so ``torch.load(weights_only=True)`` reads it."""
+    path = Path(path)
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    obj = {"format": CKPT_FORMAT, "step": int(step), "model": model.state_dict(),
+           "optimizer": optimizer.state_dict(), "rng": rng, "config": cfg.to_dict(), **extra}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(path: Union[str, Path]) -> dict:
+    """Read a checkpoint with ``weights_only=True`` (tensors on CPU). Raises CheckpointError when the
+    file is corrupt, truncated or not a blockscale.train checkpoint; FileNotFoundError when absent."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for bad zip / pickle data
+        if zipfile.is_zipfile(path) and "weights only" in str(exc).lower():
+            raise CheckpointError(f"checkpoint {path} holds objects that torch.load(weights_only=True) refuses "
+                                  f"(checkpoints may hold only tensors and plain data): {exc}") from exc
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and cannot be loaded "
+                              f"({type(exc).__name__}: {exc}); delete it to start over") from exc
+    missing = [k for k in ("step", "model", "optimizer", "rng", "config") if not isinstance(obj, dict) or k not in obj]
+    if missing or obj.get("format") != CKPT_FORMAT:
+        raise CheckpointError(f"{path} is not a {CKPT_FORMAT} checkpoint (missing {missing or ['format']})")
+    return obj
+
+
+def _load_into(obj, state_dict: dict, what: str, path: Path) -> None:
+    """obj.load_state_dict(state_dict), a mismatch reported as CheckpointError."""
+    try:
+        obj.load_state_dict(state_dict)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {path} does not fit this {what}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def read_metrics(path: Union[str, Path]) -> list[dict]:
+    """The JSON objects of a metrics file, skipping a torn last line."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the lines with step <= ``step`` (lines logged after the checkpoint we resume from)."""
+    if path.exists():
+        rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, path)
+
+
+def plot_losses(metrics_paths: dict, out_png: Union[str, Path], title: Optional[str] = None,
+                x: str = "step") -> Path:
+    """Plot train (solid) and val (dashed, markers) loss of one or more runs in one PNG.
+
+    metrics_paths: {label: metrics.jsonl path}; x: "step" or "tokens". Uses the Agg canvas directly
+    (no pyplot, no global backend change)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if x not in ("step", "tokens"):
+        raise ValueError(f"x={x!r}: expected 'step' or 'tokens'")
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for i, (label, path) in enumerate(metrics_paths.items()):
+        rows = read_metrics(path)
+        color = f"C{i % 10}"
+        tr = [(r[x], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+        va = [(r[x], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        if tr:
+            ax.plot(*zip(*tr), color=color, alpha=0.8, label=f"{label} train")
+        if va:
+            ax.plot(*zip(*va), color=color, linestyle="--", marker="o", markersize=3, label=f"{label} val")
+    ax.set_xlabel(x)
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title or "loss")
+    ax.grid(True, alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    return out_png
+
+
+# ----------------------------------------------------------------------------- training
+
+def resolve_device(name: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
+    """"auto" -> cuda if available else cpu; under torchrun plain "cuda" means cuda:LOCAL_RANK."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local_rank if world_size > 1 else torch.cuda.current_device())
+    return dev
+
+
+def autocast_context(mode: str, device: torch.device) -> Callable:
+    """A zero-argument factory of the forward-pass autocast context for ``mode`` on ``device``."""
+    if mode == "auto":
+        mode = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+    if mode == "none":
+        return nullcontext
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError("autocast='bf16' but this GPU does not support bf16")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"autocast='bf16' is supported on cuda and cpu, not {device.type}")
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data, cfg: TrainConfig, info: DistInfo = DistInfo(),
+             device: Union[str, torch.device] = "cpu", amp: Callable = nullcontext) -> float:
+    """Mean loss over ``cfg.eval_batches`` fixed val batches (rows split over ranks, mean over ranks)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for j in range(cfg.eval_batches):
+        x, y = data.get_batch("val", cfg.batch_size, cfg.seq_len, step=j, rank=info.rank,
+                              world_size=info.world_size, seed=VAL_SEED)
+        with amp():
+            _, loss = model(x.to(device), y.to(device))
+        total += loss.float()
+    model.train(was_training)
+    return all_reduce_mean(total / cfg.eval_batches, info).item()
+
+
+class _Bar:
+    """tqdm when available and wanted, else a silent stand-in; ``log`` prints above the bar."""
+
+    def __init__(self, enabled: bool, total: int, initial: int):
+        self.tqdm = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+                self.tqdm = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, **postfix):
+        if self.tqdm is not None:
+            self.tqdm.set_postfix(postfix, refresh=False)
+            self.tqdm.update(1)
+
+    def log(self, msg: str):
+        if self.tqdm is not None:
+            self.tqdm.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self):
+        if self.tqdm is not None:
+            self.tqdm.close()
+
+
+def train(model: nn.Module, data, cfg: TrainConfig,
+          optimizer_factory: Optional[Callable[[nn.Module, TrainConfig], torch.optim.Optimizer]] = None,
+          resume: bool = False) -> TrainResult:
+    """Train ``model`` in place for ``cfg.steps`` optimizer steps; returns a TrainResult.
+
+    optimizer_factory(model, cfg) -> optimizer (default ``make_optimizer``); the LR of every param
+    group is set to get_lr(step) each step. resume: continue from ``out_dir/ckpt.pt`` if it exists
+    (else start from scratch). Under torchrun (WORLD_SIZE > 1) joins the job, wraps the model in
+    DDP, and only rank 0 writes files. Writes (if out_dir): metrics.jsonl, config.json, ckpt.pt.
+    Side effect: reseeds the global torch RNG at every step (see the module docstring).
+    """
+    _, world, local = env_world()
+    device = resolve_device(cfg.device, local, world)
+    info = setup_distributed(str(device))
+    try:
+        return _train(model, data, cfg, optimizer_factory, resume, info, device)
+    finally:
+        cleanup_distributed(info)
+
+
+def _train(model, data, cfg, optimizer_factory, resume, info, device) -> TrainResult:
+    out = Path(cfg.out_dir) if cfg.out_dir else None
+    if resume and out is None:
+        raise ValueError("resume=True needs cfg.out_dir")
+    ckpt_path = out / CKPT_NAME if out else None
+    metrics_path = out / METRICS_NAME if out else None
+    main = info.is_main
+    bar = None
+
+    model.to(device)
+    state = load_checkpoint(ckpt_path) if resume and ckpt_path.exists() else None
+    if state is not None:  # before DDP wraps the model (DDP broadcasts rank 0's weights)
+        _load_into(model, state["model"], "model", ckpt_path)
+    ddp_model = wrap_ddp(model, info, device)
+    optimizer = (optimizer_factory or make_optimizer)(model, cfg)
+    start_step, elapsed0 = 0, 0.0
+    if state is not None:
+        _load_into(optimizer, state["optimizer"], "optimizer", ckpt_path)
+        start_step, elapsed0 = int(state["step"]), float(state.get("elapsed_s", 0.0))
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and device.type == "cuda":
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if main and out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        if state is not None:
+            _truncate_metrics(metrics_path, start_step)
+        elif metrics_path.exists():
+            metrics_path.unlink()
+        (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": info.world_size}, indent=1))
+    barrier(info)
+
+    bar = _Bar(cfg.progress and main, cfg.steps, start_step)
+    if state is not None:
+        old = {k: v for k, v in state["config"].items() if cfg.to_dict().get(k) != v}
+        if state.get("world_size", info.world_size) != info.world_size:
+            old["world_size"] = state["world_size"]
+        if main:
+            bar.log(f"resuming from {ckpt_path} at step {start_step}"
+                    + (f"; config changed since (checkpoint values): {old}" if old else ""))
+    elif resume and main:
+        bar.log(f"no checkpoint in {out}; starting from scratch")
+
+    amp = autocast_context(cfg.autocast, device)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size
+    losses: list[float] = []
+    val_hist: list[tuple[int, float]] = []
+    t0 = last_t = time.perf_counter()
+    last_step = start_step
+    train_loss = val_loss = None
+    model.train()
+    try:
+        for step in range(start_step, cfg.steps):
+            lr = get_lr(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            torch.manual_seed(derive_seed(cfg.seed, _RNG_TAG, step, info.rank))
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                x, y = data.get_batch("train", cfg.batch_size, cfg.seq_len, step, rank=info.rank,
+                                      world_size=info.world_size, seed=cfg.seed, micro_step=micro)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with no_sync(ddp_model, sync=micro == cfg.grad_accum - 1):
+                    with amp():
+                        _, loss = ddp_model(x, y)
+                    (loss.float() / cfg.grad_accum).backward()
+                loss_sum += loss.detach().float()
+            norm = clip_gradients(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            train_loss = all_reduce_mean(loss_sum / cfg.grad_accum, info).item()
+            losses.append(train_loss)
+
+            done = step + 1
+            last = done == cfg.steps
+            val_loss = None
+            if cfg.eval_batches and (last or (cfg.eval_interval and done % cfg.eval_interval == 0)):
+                val_loss = evaluate(model, data, cfg, info, device, amp)
+                val_hist.append((done, val_loss))
+            if done % cfg.log_interval == 0 or val_loss is not None or last:
+                now = time.perf_counter()
+                row = {"step": done, "lr": lr, "train_loss": train_loss, "val_loss": val_loss,
+                       "grad_norm": float(norm), "tokens": done * tokens_per_step,
+                       "elapsed_s": round(elapsed0 + now - t0, 4),
+                       "tokens_per_s": round((done - last_step) * tokens_per_step / max(now - last_t, 1e-9), 1)}
+                if val_loss is None:
+                    del row["val_loss"]
+                last_t, last_step = now, done
+                if main and metrics_path is not None:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                if main and (val_loss is not None or not cfg.progress):
+                    bar.log(f"step {done}/{cfg.steps}  lr {lr:.3e}  train {train_loss:.4f}"
+                            + (f"  val {val_loss:.4f}" if val_loss is not None else "")
+                            + f"  {row['tokens_per_s']:.0f} tok/s")
+            if out is not None and (last or (cfg.ckpt_interval and done % cfg.ckpt_interval == 0)):
+                if main:
+                    save_checkpoint(ckpt_path, model, optimizer, done, cfg, world_size=info.world_size,
+                                    elapsed_s=elapsed0 + time.perf_counter() - t0)
+                barrier(info)
+            bar.update(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+    finally:
+        bar.close()
+
+    if start_step >= cfg.steps and cfg.eval_batches:  # nothing left to train: just report
+        val_loss = evaluate(model, data, cfg, info, device, amp)
+        val_hist.append((cfg.steps, val_loss))
+    return TrainResult(step=max(cfg.steps, start_step), start_step=start_step, final_train_loss=train_loss,
+                       final_val_loss=val_hist[-1][1] if val_hist else None, train_losses=losses,
+                       val_losses=val_hist, tokens=max(cfg.steps, start_step) * tokens_per_step,
+                       elapsed_s=elapsed0 + time.perf_counter() - t0, metrics_path=metrics_path,
+                       checkpoint_path=ckpt_path if ckpt_path is not None and ckpt_path.exists() else None)
