@@ -42,3 +42,35 @@ def test_demo_bad_input(tmp_path, capsys):
     assert "'nope' is not in" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["demo", "--backend", "gpu"])
+
+
+def test_recipes_command(capsys):
+    assert cli.main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for name in ("bf16", "mxfp8", "nvfp4-nvidia", "nvfp4-nvidia-4over6", "nvfp4-fwd-mxfp8-bwd"):
+        assert name in out
+    assert cli.main(["recipes", "nvfp4-fwd-mxfp8-bwd"]) == 0
+    import yaml
+
+    from blockscale.recipes import get_recipe, recipe_from_dict
+    assert recipe_from_dict(yaml.safe_load(capsys.readouterr().out)) == get_recipe("nvfp4-fwd-mxfp8-bwd")
+
+
+def test_train_command_with_a_recipe(tmp_path, capsys):
+    import json
+
+    import blockscale as bs
+
+    threads = torch.get_num_threads()
+    with bs.use_backend("reference"):
+        rc = cli.main(["train", "--data", "shakespeare", "--model-preset", "tiny", "--recipe", "nvfp4-nvidia",
+                       "--backend", "reference", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+                       "--eval-interval", "3", "--eval-batches", "1", "--no-progress", "--out", str(tmp_path / "run"),
+                       "--no-plot", "--threads", "1"])
+    torch.set_num_threads(threads)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "convert(nvfp4-nvidia)" in out and "done: step 3" in out
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 3 and "val_loss" in lines[-1]
+    assert cli.main(["train", "--data", "shakespeare", "--recipe", "fp2", "--steps", "1", "--no-progress"]) == 2

@@ -25,6 +25,9 @@ from .quant import (
 )
 from .recipes import LinearRecipe, Recipe, get_recipe, list_recipes, load_recipe_file, save_recipe  # noqa: E402
 from .nn import ConversionReport, QuantizedLinear, convert, unconvert  # noqa: E402
+from .models import PRESETS as MODEL_PRESETS, Llama, LlamaConfig, load_stories260k, load_tokenizer  # noqa: E402
+from .eval import PerplexityResult, perplexity  # noqa: E402
+from .paths import data_root  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -34,4 +37,6 @@ __all__ = [
     "swizzle_scales", "unswizzle_scales", "use_backend",
     "LinearRecipe", "Recipe", "get_recipe", "list_recipes", "load_recipe_file", "save_recipe",
     "ConversionReport", "QuantizedLinear", "convert", "unconvert",
+    "MODEL_PRESETS", "Llama", "LlamaConfig", "load_stories260k", "load_tokenizer", "PerplexityResult", "perplexity",
+    "data_root",
 ]

@@ -17,6 +17,19 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_recipes(args) -> int:
+    import yaml
+
+    from .recipes import get_recipe, list_recipes, recipe_to_dict
+
+    if args.name is None:
+        for name in list_recipes():
+            print(f"{name:22s} {get_recipe(name).description}")
+        return 0
+    print(yaml.safe_dump(recipe_to_dict(get_recipe(args.name)), sort_keys=False), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockscale", description="Block-scaled low-precision formats for PyTorch.")
     p.add_argument("--version", action="version", version=f"blockscale {__version__}")
@@ -29,10 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels: eager reference, torch.compile, or auto (compile for >= 2^20 elements)")
     d.add_argument("--repeats", type=int, default=3, help="timed repeats per format (best reported)")
     d.set_defaults(func=_cmd_demo)
+    r = sub.add_parser("recipes", help="list the built-in training recipes, or print one as YAML")
+    r.add_argument("name", nargs="?", help="a built-in recipe name or a recipe YAML file")
+    r.set_defaults(func=_cmd_recipes)
+    sub.add_parser("train", help="pretrain a small Llama (all options: blockscale train --help)", add_help=False)
     return p
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # its own parser: every TrainConfig field is a flag
+        from .train.__main__ import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -57,10 +57,12 @@ def prepare_operand(x: torch.Tensor, spec, unquantized_dtype: str, generator=Non
     values are produced unless ``keep_codes`` (an operand saved for backward)."""
     if spec is None:
         return Operand(t=x.detach().to(_DTYPES[unquantized_dtype]))
+    # Operands are checked once where they enter (the model's loss shows a NaN anyway); a full
+    # isfinite pass per GEMM operand would cost as much as the quantizer's own amax pass.
     if keep_codes:
-        q, v = quantize_with_values(x.detach(), spec, generator=generator)
+        q, v = quantize_with_values(x.detach(), spec, generator=generator, check_finite=False)
         return Operand(q=q, t=v)
-    return Operand(t=fake_quantize(x.detach(), spec, generator, dtype=torch.float32))
+    return Operand(t=fake_quantize(x.detach(), spec, generator, dtype=torch.float32, check_finite=False))
 
 
 def emulated_gemm(a: Operand, b: Operand) -> torch.Tensor:

@@ -93,16 +93,21 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
     rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
     e2m1 = spec.element == "e2m1"
     want_codes, want_values = outputs != "values", outputs != "codes"
-    codes = torch.empty(R, Kp // 2 if e2m1 else Kp, dtype=torch.uint8 if e2m1 else FP8_DTYPES[spec.element],
-                        device=x.device) if want_codes else None
-    values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
-    scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
+    fast = want_compiled(R * Kp)
+    codes = values = None
+    if not fast or R * Kp == 0:  # eager chunks write into preallocated outputs; the fast path returns them
+        codes = torch.empty(R, Kp // 2 if e2m1 else Kp, dtype=torch.uint8 if e2m1 else FP8_DTYPES[spec.element],
+                            device=x.device) if want_codes else None
+        values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
+        scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
     if R * Kp:
-        fast = want_compiled(R * Kp)
         kernel = _mx_blocks_fast if fast else _mx_blocks
         for rows in ([slice(0, R)] if fast else row_chunks(R, Kp)):
             c, b, v = kernel(xb[rows], None if rand is None else rand[rows], spec.element, spec.scale_rule,
                              spec.rounding, spec.sr_mode, outputs)
+            if fast:
+                codes, scales, values = c, b, v
+                continue
             if want_codes:
                 codes[rows] = c
             if want_values:

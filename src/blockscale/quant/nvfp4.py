@@ -227,11 +227,12 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
     rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
 
     want_codes, want_values = outputs != "values", outputs != "codes"
-    codes = torch.empty(R, Kp // 2, dtype=torch.uint8, device=x.device) if want_codes else None
-    scales = torch.empty(R, nb, dtype=torch.float32, device=x.device)
-    values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
+    fast = want_compiled(R * Kp)
+    if not fast:  # eager chunks write into preallocated outputs; the fast path returns them whole
+        codes = torch.empty(R, Kp // 2, dtype=torch.uint8, device=x.device) if want_codes else None
+        scales = torch.empty(R, nb, dtype=torch.float32, device=x.device)
+        values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
     if R * Kp:
-        fast = want_compiled(R * Kp)
         parts = [slice(0, R)] if fast else row_chunks(R, Kp, BLOCK if spec.block_2d else 1)
         for rows in parts:
             args = (xb[rows], S3[rows])
@@ -244,11 +245,18 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
                 r = None if rand is None else rand[rows]
                 c, s, v = kernel(*args, r, spec.scale_rule, spec.error, spec.block_2d, spec.rounding, spec.sr_mode,
                                  outputs)
-            if want_codes:
-                codes[rows] = pack_nibbles(c)
-            if want_values:
-                values[rows] = v
-            scales[rows] = s
+            if fast:
+                codes, scales, values = (pack_nibbles(c) if want_codes else None), s, v
+            else:
+                if want_codes:
+                    codes[rows] = pack_nibbles(c)
+                if want_values:
+                    values[rows] = v
+                scales[rows] = s
+    else:
+        codes = torch.empty(R, Kp // 2, dtype=torch.uint8, device=x.device) if want_codes else None
+        scales = torch.empty(R, nb, dtype=torch.float32, device=x.device)
+        values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
     if want_values:
         values = values.view(B, Mp, Kp)[:, :M, :K].reshape(shape)
         if not want_codes:

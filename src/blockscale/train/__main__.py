@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction of the tokens held out")
     p.add_argument("--model-preset", default="tiny", help="a blockscale.models.llama.PRESETS name")
     p.add_argument("--out", "--out-dir", dest="out_dir", default=None, help="run folder (metrics, ckpt, plot)")
+    p.add_argument("--recipe", default=None,
+                   help="train with quantized linear layers: a built-in recipe (bf16, mxfp8, nvfp4-nvidia, "
+                        "nvfp4-nvidia-4over6, nvfp4-fwd-mxfp8-bwd) or a recipe YAML file (default: plain FP32)")
+    p.add_argument("--backend", default="auto", choices=("auto", "reference", "compiled"),
+                   help="quantizer kernels (compiled: torch.compile, bit-identical to the reference)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt if present")
     p.add_argument("--no-plot", action="store_true", help="do not write <out>/loss.png")
     p.add_argument("--threads", type=int, default=0,
@@ -67,6 +72,14 @@ def main(argv=None) -> int:
         data = load_data(args.data, val_fraction=args.val_fraction)
         model = build_model(args.model_preset, data.vocab_size, cfg.seq_len, cfg.seed)
         rank = env_world()[0]
+        if args.recipe:
+            from ..nn import convert
+            from ..quant import set_backend
+
+            set_backend(args.backend)
+            report = convert(model, args.recipe)
+            if rank == 0:
+                print(report, flush=True)
         if rank == 0:
             n = sum(p.numel() for p in model.parameters())
             print(f"model {args.model_preset}: {n:,} parameters; data {args.data}: "
