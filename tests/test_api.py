@@ -6,14 +6,10 @@ import torch
 
 import blockscale as bs
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 SPECS = [bs.NVFP4(), bs.NVFP4(scale_rule="4over6", outer="row"), bs.NVFP4(block_2d=True), bs.MX(),
          bs.MX(element="e2m1"), bs.MX(element="e5m2", dim=0), bs.S2F6(), bs.S2F6(hadamard=False)]
-
-
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with bs.use_backend("reference"):
-        yield
 
 
 def test_specs_are_frozen_dataclasses():

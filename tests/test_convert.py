@@ -5,13 +5,9 @@ import torch
 import blockscale as bs
 from blockscale.nn import QuantizedLinear, convert, find_blocks, unconvert
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with bs.use_backend("reference"):
-        yield
 
 
 def _tiny_llama(n_layers=6, seed=0):

@@ -32,16 +32,9 @@ from blockscale.formats import (
     unpack_nibbles,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FLT_MAX = torch.finfo(torch.float32).max
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small elementwise work: intra-op threads only add contention on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 SPEC_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -13,17 +13,11 @@ import torch
 
 import blockscale as bs
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SIZES = (16, 32, 64, 128)
 U = 2.0 ** -24
 SPEC_TE_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def sylvester64(n: int) -> torch.Tensor:

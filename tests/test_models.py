@@ -8,16 +8,9 @@ import torch.nn.functional as F
 
 from blockscale.models import PRESETS, Llama, LlamaConfig, apply_rope, rope_tables
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = PRESETS["tiny"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # the test machine is shared: one thread is faster than two fighting over busy cores
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _tokens(B, T, vocab=TINY.vocab_size, seed=0):

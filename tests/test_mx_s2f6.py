@@ -10,16 +10,12 @@ from blockscale.formats import decode_e2m1, unpack_nibbles
 
 from reference_impl import E2M1_GRID, fp_grid, mx_reference
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 E4M3 = fp_grid(3, -6, 448.0)
 E5M2 = fp_grid(2, -14, 57344.0)
 S2F6_GRID = [i / 64 for i in range(128)]
 GRIDS = {"e4m3": (448.0, 8, E4M3), "e5m2": (57344.0, 15, E5M2), "e2m1": (6.0, 2, E2M1_GRID)}
-
-
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with bs.use_backend("reference"):
-        yield
 
 
 def _wide(rows=6, cols=96, seed=0):

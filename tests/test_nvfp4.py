@@ -8,11 +8,7 @@ from blockscale.formats import decode_e2m1, unpack_nibbles
 
 from reference_impl import nvfp4_reference
 
-
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with bs.use_backend("reference"):
-        yield
+pytestmark = pytest.mark.usefixtures("reference_backend")
 
 
 def _codes(q):

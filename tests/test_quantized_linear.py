@@ -11,13 +11,9 @@ from blockscale.nn import QuantizedLinear
 from blockscale.quant.hadamard import rht_matrix
 from blockscale.recipes import LinearRecipe, get_recipe
 
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
 RECIPES = ["bf16", "mxfp8", "nvfp4-nvidia", "nvfp4-nvidia-4over6", "nvfp4-fwd-mxfp8-bwd"]
-
-
-@pytest.fixture(autouse=True)
-def _reference_backend():
-    with bs.use_backend("reference"):
-        yield
 
 
 def _setup(seed=0, m=48, k=64, n=32, bias=True):

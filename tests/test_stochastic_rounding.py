@@ -26,16 +26,9 @@ from blockscale.formats import (
     unpack_nibbles,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ALL_R = torch.arange(256, dtype=torch.uint8)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Elementwise work here is small; intra-op threads only add contention on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # A "format" here is (name, rounding function, positive grid). The rounding function maps FP32

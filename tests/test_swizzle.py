@@ -6,16 +6,10 @@ import torch
 
 import blockscale as bs
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SHAPES = [(128, 4), (256, 8), (130, 5), (3, 1), (2, 200, 6), (1, 128, 4), (2, 3, 129, 9)]
 DTYPES = [torch.uint8, torch.float8_e4m3fn]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def ceil_div(a: int, b: int) -> int:
