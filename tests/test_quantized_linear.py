@@ -199,3 +199,30 @@ def test_dtypes_master_weights_and_bias_free():
     y.float().sum().backward()
     assert xb.grad.dtype == torch.bfloat16 and q.weight.grad.dtype == torch.float32
     assert "NVFP4" in repr(q)
+
+
+def test_a_registered_gemm_backend_receives_packed_operands():
+    """A real low-precision kernel slots in per backend and gets codes + scales for every operand."""
+    from blockscale.nn import gemm as gemm_mod
+
+    seen = []
+
+    def packed_gemm(a, b):
+        for op in (a, b):
+            seen.append(None if op.q is None else (type(op.q.spec).__name__, op.q.codes.dtype))
+        return gemm_mod.emulated_gemm(a, b)
+
+    gemm_mod.register_gemm_backend("recording", packed_gemm, needs_codes=True)
+    lin, x, dy = _setup(m=32)
+    r = get_recipe("nvfp4-fwd-mxfp8-bwd").linear
+    ref = _layer_grads(lin, x, dy, r, seed=1)
+    gemm_mod.set_gemm_backend("recording")
+    try:
+        got = _layer_grads(lin, x, dy, r, seed=1)
+    finally:
+        gemm_mod.set_gemm_backend("emulated")
+    assert seen == [("NVFP4", torch.uint8)] * 2 + [("MX", torch.float8_e4m3fn)] * 4
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not registered"):
+        gemm_mod.set_gemm_backend("cutlass")

@@ -57,6 +57,7 @@ def prepare_operand(x: torch.Tensor, spec, unquantized_dtype: str, generator=Non
     values are produced unless ``keep_codes`` (an operand saved for backward)."""
     if spec is None:
         return Operand(t=x.detach().to(_DTYPES[unquantized_dtype]))
+    keep_codes = keep_codes or _NEEDS_CODES[_ACTIVE["name"]]
     # Operands are checked once where they enter (the model's loss shows a NaN anyway); a full
     # isfinite pass per GEMM operand would cost as much as the quantizer's own amax pass.
     if keep_codes:
@@ -71,12 +72,18 @@ def emulated_gemm(a: Operand, b: Operand) -> torch.Tensor:
 
 
 _GEMM_BACKENDS: dict[str, Callable[[Operand, Operand], torch.Tensor]] = {"emulated": emulated_gemm}
+_NEEDS_CODES = {"emulated": False}
 _ACTIVE = {"name": "emulated"}
 
 
-def register_gemm_backend(name: str, fn: Callable[[Operand, Operand], torch.Tensor]) -> None:
-    """Add a GEMM implementation ``fn(a, b) -> FP32 A @ B^T`` (it must equal the emulation's math)."""
+def register_gemm_backend(name: str, fn: Callable[[Operand, Operand], torch.Tensor], needs_codes: bool = True) -> None:
+    """Add a GEMM implementation ``fn(a, b) -> FP32 A @ B^T`` (it must equal the emulation's math).
+
+    ``needs_codes``: every quantized operand then arrives with ``a.q`` (packed codes, block scales,
+    outer scale: what a block-scaled tensor-core kernel reads), not only dequantized values.
+    """
     _GEMM_BACKENDS[name] = fn
+    _NEEDS_CODES[name] = needs_codes
 
 
 def set_gemm_backend(name: str) -> None:
