@@ -52,7 +52,7 @@ def run(args) -> list[dict]:
     return results
 
 
-def write_doc(results: list[dict], args, doc: Path, png: Path, command: str) -> None:
+def write_doc(results: list[dict], args, doc: Path, png: Path, command: str, also=()) -> None:
     base = next((r["val_loss"] for r in results if r["recipe"] == "bf16"), None)
     lines = ["# Pretraining with each recipe", "",
              f"Command (took {sum(r['seconds'] for r in results) / 60:.0f} min on this machine):", "", "```",
@@ -66,16 +66,29 @@ def write_doc(results: list[dict], args, doc: Path, png: Path, command: str) -> 
     for r in results:
         gap = f"{100 * (r['val_loss'] - base) / base:+.2f}%" if base else "-"
         lines.append(f"| {r['recipe']} | {r['val_loss']:.4f} | {gap} | {r['train_loss']:.4f} | {r['seconds'] / 60:.1f} min |")
-    by = {r["recipe"]: r["val_loss"] for r in results}
-    if base and "nvfp4-nvidia" in by and "nvfp4-nvidia-4over6" in by:
-        g6, g46 = by["nvfp4-nvidia"] - base, by["nvfp4-nvidia-4over6"] - base
-        verdict = (f"Four Over Six {'narrows' if g46 < g6 else 'does not narrow'} the NVFP4 gap here: "
-                   f"{g6:+.4f} -> {g46:+.4f} nats"
-                   + (f" ({100 * (g6 - g46) / g6:.0f}% closer to bf16; the paper reports 13% at 30B scale)."
-                      if g6 > 0 else "."))
-        lines += ["", verdict]
+    lines += ["", _verdict(results)]
+    for extra in also:
+        lines += ["", f"Repeat with seed {extra['seed']} (`{extra['command']}`):", "",
+                  "| recipe | final val loss | gap to bf16 |", "|---|---:|---:|"]
+        xbase = next((r["val_loss"] for r in extra["results"] if r["recipe"] == "bf16"), None)
+        for r in extra["results"]:
+            gap = f"{100 * (r['val_loss'] - xbase) / xbase:+.2f}%" if xbase else "-"
+            lines.append(f"| {r['recipe']} | {r['val_loss']:.4f} | {gap} |")
+        lines += ["", _verdict(extra["results"])]
     lines += ["", f"![loss curves]({png.name})", ""]
     doc.write_text("\n".join(lines))
+
+
+def _verdict(results: list[dict]) -> str:
+    """Whether Four Over Six narrows the NVFP4 gap to bf16 (in nats of validation loss)."""
+    by = {r["recipe"]: r["val_loss"] for r in results}
+    if not {"bf16", "nvfp4-nvidia", "nvfp4-nvidia-4over6"} <= set(by):
+        return ""
+    g6, g46 = by["nvfp4-nvidia"] - by["bf16"], by["nvfp4-nvidia-4over6"] - by["bf16"]
+    if g6 > 0 and g46 < g6:
+        return (f"Four Over Six narrows the NVFP4 gap: {g6:+.4f} -> {g46:+.4f} nats, {100 * (g6 - g46) / g6:.0f}% "
+                "closer to bf16 (the paper reports 13% at 30B scale).")
+    return f"Four Over Six does not narrow the NVFP4 gap here: {g6:+.4f} -> {g46:+.4f} nats."
 
 
 def main(argv=None) -> None:
@@ -95,19 +108,29 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="runs/recipes")
     ap.add_argument("--doc", default=None, help="write the results table (markdown) and a PNG beside it")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--report-only", action="store_true", help="rewrite --doc from <out>/results.json; no training")
+    ap.add_argument("--also", action="append", default=[], metavar="RUN_DIR",
+                    help="add another run's results (e.g. another seed) to the doc; repeatable")
     args = ap.parse_args(argv)
     bs.set_backend(args.backend)
     command = "python experiments/train_recipes.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    results = run(args)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2))
+    out = Path(args.out)
+    if args.report_only:
+        saved = json.loads((out / "results.json").read_text())
+        results, command = saved["results"], saved["command"]
+    else:
+        results = run(args)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"command": command, "seed": args.seed, "results": results},
+                                                     indent=2))
+    also = [json.loads((Path(d) / "results.json").read_text()) for d in args.also]
     if args.doc:
         doc = Path(args.doc)
         doc.parent.mkdir(parents=True, exist_ok=True)
         png = doc.with_suffix(".png")
         plot_losses({r["recipe"]: r["metrics"] for r in results}, png,
                     title=f"{args.preset} Llama on {args.data}: loss per recipe")
-        write_doc(results, args, doc, png, command)
+        write_doc(results, args, doc, png, command, also)
         print(f"wrote {doc} and {png}")
 
 

@@ -97,3 +97,15 @@ def test_falls_back_with_one_warning_when_compilation_is_unavailable(tmp_path):
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("spec", [bs.MX(dim=0, rounding="stochastic"), bs.MX(element="e2m1", dim=0)], ids=str)
+def test_compiled_blocks_along_dim0_read_the_strided_layout(spec):
+    """Whole blocks along dim 0: the compiled kernel reads the transposed view without a copy."""
+    x = _hard(rows=64, cols=72)
+    (qa, da), (qb, db) = _run(x, spec, "reference"), _run(x, spec, "compiled")
+    assert torch.equal(_bits(qa.codes), _bits(qb.codes)) and torch.equal(qa.scales, qb.scales)
+    assert torch.equal(da.view(torch.int32), db.view(torch.int32))
+    with bs.use_backend("compiled"):
+        v = bs.fake_quantize(x, spec, torch.Generator().manual_seed(11))
+    assert torch.equal(v.view(torch.int32), da.view(torch.int32))

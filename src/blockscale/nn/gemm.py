@@ -92,6 +92,11 @@ def set_gemm_backend(name: str) -> None:
     _ACTIVE["name"] = name
 
 
+def gemm_backend() -> str:
+    """Name of the active GEMM backend."""
+    return _ACTIVE["name"]
+
+
 def gemm(a: Operand, b: Operand) -> torch.Tensor:
     """A @ B^T with the active backend (FP32 out)."""
     return _GEMM_BACKENDS[_ACTIVE["name"]](a, b)

@@ -8,14 +8,16 @@ output has the input's dtype.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant import TE_SIGNS_16, random_signs
+from ..quant import MX, TE_SIGNS_16, random_signs
 from ..quant.hadamard import hadamard_gemm
 from ..recipes import LinearRecipe
-from .gemm import Operand, gemm, prepare_operand
+from .gemm import Operand, gemm, gemm_backend, prepare_operand
 
 
 def _rht_tokens(t: torch.Tensor, n: int, signs) -> torch.Tensor:
@@ -25,6 +27,12 @@ def _rht_tokens(t: torch.Tensor, n: int, signs) -> torch.Tensor:
     if pad:
         t = F.pad(t, (0, pad))
     return hadamard_gemm(t.contiguous(), n=n, signs=signs)
+
+
+def _tokens_dim_ok(r: LinearRecipe) -> bool:
+    """wgrad operands can be quantized along the token dim in place (MX, no Hadamard, emulated GEMM)."""
+    return (not r.wgrad_hadamard and isinstance(r.wgrad_grad, MX) and isinstance(r.wgrad_input, MX)
+            and gemm_backend() == "emulated")
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
@@ -65,7 +73,14 @@ class _QuantizedLinearFn(torch.autograd.Function):
                 b = prepare_operand(w_vals.t().contiguous(), r.dgrad_weight, r.unquantized_dtype, g)
                 dx = gemm(a, b)
             dx = dx.to(ctx.x_dtype).reshape(*dy.shape[:-1], -1)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and _tokens_dim_ok(r):
+            # wgrad with MX operands and no rotation: quantize dy [M, N] and x^ [M, K] along dim 0
+            # (the tokens) in place of transposing them first: the same blocks, values and random
+            # draws, no transposed copies. dW = A^T B with A, B in their natural layout.
+            a = prepare_operand(dy2.float(), dataclasses.replace(r.wgrad_grad, dim=0), r.unquantized_dtype, g)
+            b = prepare_operand(x_op.values(), dataclasses.replace(r.wgrad_input, dim=0), r.unquantized_dtype, g)
+            dw = (a.values().t() @ b.values()).to(ctx.w_dtype)
+        elif ctx.needs_input_grad[1]:
             # wgrad: dW = dy^T @ x = A @ B^T, A = dy^T [N, M], B = x^T [K, M]; both along the tokens M
             at = dy2.t().float()
             bt = x_op.values().t()

@@ -60,6 +60,15 @@ def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str, o
 _mx_blocks_fast = fast_kernel(_mx_blocks)
 
 
+def _mx_moved_blocks(xm, rand, element: str, rule: str, rounding: str, sr_mode: str, outputs: str = "codes"):
+    """``_mx_blocks`` on a strided view [..., K] (K a multiple of 32) whose blocks are formed here."""
+    r = xm.numel() // xm.shape[-1]
+    return _mx_blocks(xm.reshape(r, -1, BLOCK), rand, element, rule, rounding, sr_mode, outputs)
+
+
+_mx_moved_blocks_fast = fast_kernel(_mx_moved_blocks)
+
+
 def _mx_dequant_blocks(codes, b, element: str, out_dtype):
     r, nb = b.shape
     v = decode_e2m1(unpack_nibbles(codes)) if element == "e2m1" else codes.to(torch.float32)
@@ -86,14 +95,18 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
     xm = (x.reshape(1) if x.dim() == 0 else x).movedim(dim, -1)
     moved = xm.shape
     K = moved[-1]
-    xp = pad_dim(xm.reshape(math.prod(moved[:-1]), K), -1, BLOCK)
-    R, Kp = xp.shape
+    R, Kp = math.prod(moved[:-1]), K + (-K) % BLOCK
     nb = Kp // BLOCK
-    xb = xp.reshape(R, nb, BLOCK)
+    fast = want_compiled(R * Kp)
     rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
+    if fast and Kp == K and not xm.is_contiguous():
+        # blocks along a dim other than the last: let the compiled kernel read the strided layout
+        # directly instead of copying the moved view first
+        xb = xm
+    else:
+        xb = pad_dim(xm.reshape(R, K), -1, BLOCK).reshape(R, nb, BLOCK)
     e2m1 = spec.element == "e2m1"
     want_codes, want_values = outputs != "values", outputs != "codes"
-    fast = want_compiled(R * Kp)
     codes = values = None
     if not fast or R * Kp == 0:  # eager chunks write into preallocated outputs; the fast path returns them
         codes = torch.empty(R, Kp // 2 if e2m1 else Kp, dtype=torch.uint8 if e2m1 else FP8_DTYPES[spec.element],
@@ -101,7 +114,7 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
         values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
         scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
     if R * Kp:
-        kernel = _mx_blocks_fast if fast else _mx_blocks
+        kernel = (_mx_moved_blocks_fast if xb is xm else _mx_blocks_fast) if fast else _mx_blocks
         for rows in ([slice(0, R)] if fast else row_chunks(R, Kp)):
             c, b, v = kernel(xb[rows], None if rand is None else rand[rows], spec.element, spec.scale_rule,
                              spec.rounding, spec.sr_mode, outputs)
