@@ -33,6 +33,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quant.py --markdown
+	$(PY) benchmarks/bench_train_step.py --markdown
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -32,7 +32,7 @@ def row_chunks(n_rows: int, row_elems: int, row_multiple: int = 1):
 def draw_random(shape, rounding: str, sr_mode: str, generator, device) -> torch.Tensor | None:
     """Random numbers for stochastic rounding, drawn once for the whole (padded) tensor.
 
-    "hardware": uint8 bits (uniform 32-bit integers viewed as 4 bytes each: 4x fewer generator
+    "hardware": uint8 bits (uniform 64-bit integers viewed as 8 bytes each: 8x fewer generator
     calls than drawing bytes); "exact": FP32 uniforms with 24 random bits. None for "nearest".
     """
     if rounding == "nearest":
@@ -40,7 +40,8 @@ def draw_random(shape, rounding: str, sr_mode: str, generator, device) -> torch.
     shape = tuple(shape)
     if sr_mode == "hardware":
         n = math.prod(shape)
-        words = torch.randint(-(2**31), 2**31, ((n + 3) // 4,), dtype=torch.int32, generator=generator, device=device)
+        words = torch.empty(((n + 7) // 8,), dtype=torch.int64, device=device)
+        words.random_(-(2**63), 2**63 - 1, generator=generator)
         return words.view(torch.uint8)[:n].view(shape)
     return torch.rand(shape, dtype=torch.float32, generator=generator, device=device)
 
