@@ -82,15 +82,19 @@ def _ids(p):
     return f"{p[0]}-{p[1]:g}"
 
 
-@pytest.mark.parametrize("case", INTERVALS, ids=_ids)
-def test_hardware_sr_mean_over_all_r_is_exact(case):
+def _lattice(case, offset=0.0):
+    """(name, lo, hi, x64, x): the 256 inputs lo + (j + offset)/256 * ulp, exact in FP32."""
     name, lo = case
     lo, hi = _neighbours(name, lo)
-    ulp = hi - lo
-    j = torch.arange(256, dtype=torch.float64)
-    x64 = lo + j / 256.0 * ulp
+    x64 = lo + (torch.arange(256, dtype=torch.float64) + offset) / 256.0 * (hi - lo)
     x = x64.float()
     assert torch.equal(x.double(), x64), "inputs must be exact in FP32"
+    return name, lo, hi, x64, x
+
+
+@pytest.mark.parametrize("case", INTERVALS, ids=_ids)
+def test_hardware_sr_mean_over_all_r_is_exact(case):
+    name, lo, hi, x64, x = _lattice(case)
     rnd = FORMATS[name]
     for sign in (1.0, -1.0):
         xs = (sign * x).unsqueeze(0).expand(256, 256)
@@ -108,12 +112,7 @@ def test_hardware_sr_mean_over_all_r_is_exact(case):
 def test_exact_sr_mean_over_uniform_lattice_is_exact(case):
     """u = i/256, i = 0..255 (a legal set of 24-bit uniforms, 0 included): up iff u < f, so for f a
     multiple of 1/256 exactly 256 f of them round up and the mean equals the input exactly."""
-    name, lo = case
-    lo, hi = _neighbours(name, lo)
-    ulp = hi - lo
-    j = torch.arange(256, dtype=torch.float64)
-    x64 = lo + j / 256.0 * ulp
-    x = x64.float()
+    name, lo, hi, x64, x = _lattice(case)
     u = (torch.arange(256, dtype=torch.float32) / 256.0).unsqueeze(1).expand(256, 256)
     for sign in (1.0, -1.0):
         out = FORMATS[name]((sign * x).unsqueeze(0).expand(256, 256), "stochastic", u, "exact")
@@ -124,16 +123,12 @@ def test_exact_sr_mean_over_uniform_lattice_is_exact(case):
 @pytest.mark.parametrize("case", INTERVALS, ids=_ids)
 def test_hardware_sr_truncates_below_8_bits(case):
     """Off the 1/256 lattice, P(up) = floor(256 f)/256: the lower bits are discarded."""
-    name, lo = case
-    lo, hi = _neighbours(name, lo)
+    name, lo, hi, x64, x = _lattice(case, offset=0.5)  # halfway between lattice points: 9 bits below the grid
     ulp = hi - lo
-    j = torch.arange(256, dtype=torch.float64)
-    x64 = lo + (j + 0.5) / 256.0 * ulp  # halfway between lattice points: 9 bits below the grid
-    x = x64.float()
     assert torch.equal(x.double(), x64)
     out = FORMATS[name](x.unsqueeze(0).expand(256, 256), "stochastic", ALL_R.unsqueeze(1).expand(256, 256))
     mean = out.double().mean(dim=0)
-    assert torch.equal(mean, lo + j / 256.0 * ulp)  # bias exactly -ulp/512 for these inputs
+    assert torch.equal(mean, lo + torch.arange(256, dtype=torch.float64) / 256.0 * ulp)  # bias exactly -ulp/512
     assert torch.equal(mean - x64, torch.full_like(x64, -ulp / 512))
 
 
