@@ -2,6 +2,8 @@
 from .convert import ConversionReport, convert, find_blocks, unconvert
 from .gemm import Operand, prepare_operand, register_gemm_backend, set_gemm_backend
 from .linear import QuantizedLinear, quantized_linear
+from .nvfp4_linear import NVFP4Linear, input_encode_scale, reciprocal_fixed_point
 
-__all__ = ["ConversionReport", "Operand", "QuantizedLinear", "convert", "find_blocks", "prepare_operand",
-           "quantized_linear", "register_gemm_backend", "set_gemm_backend", "unconvert"]
+__all__ = ["ConversionReport", "NVFP4Linear", "Operand", "QuantizedLinear", "convert", "find_blocks", "prepare_operand",
+           "quantized_linear", "register_gemm_backend", "set_gemm_backend", "unconvert",
+           "input_encode_scale", "reciprocal_fixed_point"]

@@ -30,10 +30,12 @@ def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
     return x.detach().to(torch.float32 if x.dtype == torch.float64 else x.dtype).contiguous()
 
 
-def _quantize(x, spec, generator, check_finite: bool, outputs: str):
+def _quantize(x, spec, generator, check_finite: bool, outputs: str, encode_scale=None):
     xc = _check_input(x, spec, check_finite)
+    if encode_scale is not None and not isinstance(spec, NVFP4):
+        raise ValueError(f"encode_scale is an NVFP4 outer scale; {type(spec).__name__} has none")
     if isinstance(spec, NVFP4):
-        out = quantize_nvfp4(xc, spec, generator, outputs)
+        out = quantize_nvfp4(xc, spec, generator, outputs, encode_scale)
     elif isinstance(spec, MX):
         out = quantize_mx(xc, spec, generator, outputs)
     else:  # S2F6: the rotation is undone on dequantize; no fused values path
@@ -47,19 +49,23 @@ def _quantize(x, spec, generator, check_finite: bool, outputs: str):
     return q if outputs == "codes" else (q, out[1])
 
 
-def quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, check_finite: bool = True) -> QuantizedTensor:
+def quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, check_finite: bool = True,
+             encode_scale: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize ``x`` (fp32 / bf16 / fp16, any shape) to ``spec``'s format.
 
     ``generator`` drives stochastic rounding (None: torch's default generator); results are
-    deterministic for a given generator state.
+    deterministic for a given generator state. ``encode_scale`` (NVFP4 only): a fixed FP32 outer
+    encode scale S for the whole tensor (shared by a fused group, or calibrated), replacing
+    ``spec.outer``.
     """
-    return _quantize(x, spec, generator, check_finite, "codes")
+    return _quantize(x, spec, generator, check_finite, "codes", encode_scale)
 
 
 def quantize_with_values(x: torch.Tensor, spec, generator: torch.Generator | None = None, *,
-                         check_finite: bool = True) -> tuple[QuantizedTensor, torch.Tensor]:
+                         check_finite: bool = True, encode_scale: torch.Tensor | None = None
+                         ) -> tuple[QuantizedTensor, torch.Tensor]:
     """``(quantize(x), its FP32 dequantized values)`` from one pass over ``x``."""
-    return _quantize(x, spec, generator, check_finite, "both")
+    return _quantize(x, spec, generator, check_finite, "both", encode_scale)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -72,8 +78,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
 
 
 def fake_quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, dtype=None,
-                  check_finite: bool = True) -> torch.Tensor:
+                  check_finite: bool = True, encode_scale: torch.Tensor | None = None) -> torch.Tensor:
     """quantize then dequantize (same numerics, fused into one pass where possible); returns
-    ``dtype`` (default: x's dtype)."""
-    values = _quantize(x, spec, generator, check_finite, "values")
+    ``dtype`` (default: x's dtype). ``encode_scale``: as in ``quantize``."""
+    values = _quantize(x, spec, generator, check_finite, "values", encode_scale)
     return values.to(x.dtype if dtype is None else dtype)

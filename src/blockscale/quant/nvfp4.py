@@ -196,10 +196,22 @@ def _outer(x3: torch.Tensor, spec: NVFP4, shape: torch.Size):
     return amax_st, outer_scale(amax_st, bound), S_rows
 
 
+def _given_outer(x3: torch.Tensor, spec: NVFP4, encode_scale: torch.Tensor):
+    """A fixed per-tensor encode scale S (e.g. a calibrated input scale read from a checkpoint)."""
+    S = encode_scale.detach().to(device=x3.device, dtype=torch.float32).reshape(())
+    if not (bool(torch.isfinite(S)) and float(S) > 0):
+        raise ValueError(f"encode_scale={float(S)!r}: must be a positive finite FP32 scalar")
+    B, M, _ = x3.shape
+    return torch.tensor(spec.outer_bound * 6.0, dtype=torch.float32, device=x3.device) / S, S, S.expand(B * M)
+
+
 def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | None = None,
-                   outputs: str = "codes"):
+                   outputs: str = "codes", encode_scale: torch.Tensor | None = None):
     """Quantize finite ``x`` (FP32 / BF16 / FP16, any shape; kernels compute in FP32) to NVFP4.
     Use ``blockscale.quantize`` for checked input.
+
+    encode_scale: a given FP32 outer encode scale S (one per tensor) used instead of the one
+    ``spec.outer`` would compute; the stored amax is then bound*6/S.
 
     outputs: "codes" -> QuantizedTensor; "values" -> the dequantized FP32 tensor only (fake
     quantization in one pass, nothing packed); "both" -> (QuantizedTensor, values).
@@ -213,7 +225,10 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
     if spec.block_2d and spec.outer == "group" and x.dim() < 3:
         raise ValueError("block_2d=True with outer='group' needs a tensor with at least 3 dims (groups along dim 0)")
     x3 = x.reshape(B, M, K)
-    amax_st, S_st, S_rows = _outer(x3, spec, shape)
+    if encode_scale is None:
+        amax_st, S_st, S_rows = _outer(x3, spec, shape)
+    else:
+        amax_st, S_st, S_rows = _given_outer(x3, spec, encode_scale)
 
     xp = pad_dim(x3, -1, BLOCK)
     if spec.block_2d:
