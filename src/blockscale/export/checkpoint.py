@@ -1,0 +1,216 @@
+"""export_checkpoint: write an NVFP4-quantized Hugging Face model as a checkpoint serving engines load."""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ..nn.nvfp4_linear import NVFP4Linear
+from . import compressed_tensors, modelopt
+from .common import FORMATS, blockscale_version, drop_shared, model_dtype, resolve_format
+from .fused import check_group_membership, check_shared_scales, sibling_groups
+from .writer import atomic_directory, check_destination, parse_size, write_json, write_safetensors
+
+REPORT_FILE = "blockscale_report.json"
+CONFIG_FILE = "config.json"
+
+
+def _json_safe(metadata: Optional[dict]) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    try:
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata must be JSON-serializable (str/int/float/bool/None/list/dict, finite "
+                        f"numbers): {e}") from None
+
+
+def _check_module(name: str, m: NVFP4Linear) -> None:
+    N, K = m.out_features, m.in_features
+    want = {"weight_packed": (torch.uint8, (N, K // 2)), "weight_scale": (torch.float8_e4m3fn, (N, K // 16)),
+            "weight_global_scale": (torch.float32, (1,))}
+    if m.input_global_scale is not None:
+        want["input_global_scale"] = (torch.float32, (1,))
+    for buf, (dt, shape) in want.items():
+        t = getattr(m, buf)
+        if t.dtype != dt or tuple(t.shape) != shape:
+            raise ValueError(f"{name}.{buf}: {t.dtype} {tuple(t.shape)}, expected {dt} {shape}")
+    for buf in ("weight_global_scale", "input_global_scale"):
+        t = getattr(m, buf)
+        if t is not None and not (bool(torch.isfinite(t).all()) and float(t.reshape(-1)[0]) > 0):
+            raise ValueError(f"{name}.{buf}={float(t.reshape(-1)[0])!r}: outer scales must be positive and finite")
+    if m.bias is not None and tuple(m.bias.shape) != (N,):
+        raise ValueError(f"{name}.bias: shape {tuple(m.bias.shape)}, expected ({N},)")
+
+
+def _collect(model: nn.Module):
+    quantized: dict[str, NVFP4Linear] = {}
+    high: list[str] = []
+    linears: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, NVFP4Linear):
+            quantized[name] = m
+            linears.append(name)
+        elif isinstance(m, nn.Linear):
+            high.append(name)
+            linears.append(name)
+    return quantized, high, linears
+
+
+def _activation_meta(quantized: dict[str, NVFP4Linear]) -> dict:
+    rules = {n: m.input_scale_rule for n, m in quantized.items()}
+    errors = {n: m.input_error for n, m in quantized.items()}
+    rule = Counter(rules.values()).most_common(1)[0][0]
+    err = Counter(errors.values()).most_common(1)[0][0]
+    meta = {"input_scale_rule": rule, "input_error": err}
+    over = {n: {"input_scale_rule": rules[n], "input_error": errors[n]}
+            for n in quantized if rules[n] != rule or errors[n] != err}
+    if over:
+        meta["input_overrides"] = over
+    return meta
+
+
+def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt) -> dict[str, torch.Tensor]:
+    state = drop_shared(model, model.state_dict())
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        mod, _, leaf = key.rpartition(".")
+        if mod in quantized and leaf in fmt.RENAME:
+            leaf, t = fmt.export_tensor(leaf, t)
+            key = f"{mod}.{leaf}"
+        if key in out:
+            raise ValueError(f"two tensors would be written as {key!r}")
+        out[key] = t.detach()
+    return out
+
+
+def _config_json(model: nn.Module, dtype: torch.dtype, qcfg: dict) -> dict:
+    cfg = copy.deepcopy(model.config)
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    cfg.dtype = dtype
+    cfg.architectures = [type(model).__name__]
+    d = json.loads(cfg.to_json_string(use_diff=True))
+    d["quantization_config"] = qcfg
+    return d
+
+
+def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str = "compressed-tensors", *,
+                      tokenizer=None, max_shard_size: Union[int, str] = "2GB", metadata: Optional[dict] = None,
+                      overwrite: bool = False) -> Path:
+    """Write ``model`` (a transformers causal LM whose quantized Linears are ``NVFP4Linear``) to ``out_dir``.
+
+    format: "compressed-tensors" (``nvfp4-pack-quantized``; vLLM / SGLang / TensorRT-LLM) or "modelopt"
+      (ModelOpt unified HF checkpoint, ``modelopt_fp4``). Both store the same packed codes and E4M3 block
+      scales; compressed-tensors stores the encode scale S, ModelOpt its reciprocal fl(1/S).
+    Every other ``nn.Linear`` is written in high precision and listed in ``ignore`` / ``exclude_modules``;
+    non-quantized tensors keep the model's dtype; tied embeddings are written once.
+    Fused siblings (q/k/v, gate/up, w1/w3) must share one outer scale (ValueError otherwise).
+    Files: safetensors (sharded above ``max_shard_size`` with ``model.safetensors.index.json``),
+    config.json (+ ``quantization_config``), generation_config.json, tokenizer files (if ``tokenizer``),
+    hf_quant_config.json (ModelOpt), blockscale_report.json. Written into a temporary sibling directory
+    and renamed into place; an existing non-empty ``out_dir`` is refused unless ``overwrite=True``.
+    ``metadata``: JSON-serializable calibration / method info stored under ``quantization_config.blockscale``.
+    Returns the output directory.
+    """
+    fmt_name = resolve_format(format)
+    fmt = FORMATS[fmt_name]
+    shard_bytes = parse_size(max_shard_size)
+    if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "to_json_string"):
+        raise TypeError("model must be a transformers PreTrainedModel (an nn.Module with a .config)")
+    user_meta = _json_safe(metadata)
+    out_dir = Path(out_dir).expanduser().absolute()
+    check_destination(out_dir, overwrite)
+
+    quantized, high, linears = _collect(model)
+    if not quantized:
+        raise ValueError("the model has no NVFP4Linear modules: nothing to export as an NVFP4 checkpoint "
+                         "(quantize it first, e.g. with blockscale.ptq.quantize_model)")
+    for name, m in quantized.items():
+        _check_module(name, m)
+    w4a4_of = {n: m.input_global_scale is not None for n, m in quantized.items()}
+    if len(set(w4a4_of.values())) > 1:
+        a4 = [n for n, v in w4a4_of.items() if v][:3]
+        a16 = [n for n, v in w4a4_of.items() if not v][:3]
+        raise ValueError(f"mixed W4A4 ({a4}...) and W4A16 ({a16}...) NVFP4Linear modules: a checkpoint holds one "
+                         "activation scheme for all quantized Linears")
+    w4a4 = next(iter(w4a4_of.values()))
+    check_group_membership(set(quantized), linears)
+    groups = sibling_groups(list(quantized))
+    check_shared_scales({n: m.weight_global_scale for n, m in quantized.items()},
+                        "weight_global_scale (weight encode scale S)", groups)
+    if w4a4:
+        check_shared_scales({n: m.input_global_scale for n, m in quantized.items()},
+                            "input_global_scale (activation encode scale)", groups,
+                            " For activations: calibrate the group on its shared input (one amax).")
+        if fmt_name == modelopt.NAME:
+            for n, m in quantized.items():
+                modelopt.check_exportable_input_scale(n, m.input_global_scale)
+
+    version = blockscale_version()
+    dtype = model_dtype(model)
+    producer = {"name": "blockscale", "version": version}
+    bs_meta = {"version": version, "format": fmt_name, "scheme": "NVFP4" if w4a4 else "NVFP4A16",
+               "activations": "W4A4" if w4a4 else "W4A16"}
+    if w4a4:
+        bs_meta.update(_activation_meta(quantized))
+    if "method" in user_meta:
+        bs_meta["method"] = user_meta["method"]
+    if user_meta:
+        bs_meta["metadata"] = user_meta
+    if fmt_name == compressed_tensors.NAME:
+        qcfg = compressed_tensors.quantization_config(w4a4, high, bs_meta)
+    else:
+        qcfg = modelopt.quantization_config(w4a4, high, producer, bs_meta)
+    config_json = _config_json(model, dtype, qcfg)
+    tensors = _tensors(model, quantized, fmt)
+
+    with atomic_directory(out_dir, overwrite) as tmp:
+        info = write_safetensors(tmp, tensors, shard_bytes)
+        write_json(tmp / CONFIG_FILE, config_json)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and getattr(model, "can_generate", lambda: False)():
+            gen.save_pretrained(str(tmp))
+        if fmt_name == modelopt.NAME:
+            write_json(tmp / modelopt.HF_QUANT_CONFIG, modelopt.hf_quant_config(w4a4, high, producer))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        report = {
+            "producer": producer,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "format": fmt_name,
+            "quantization": bs_meta,
+            "model": {"architecture": type(model).__name__, "dtype": str(dtype).removeprefix("torch.")},
+            "quantized_modules": {
+                n: {"shape": [m.out_features, m.in_features], "bias": m.bias is not None,
+                    "weight_global_scale": float(m.weight_global_scale.reshape(-1)[0]),
+                    **({"input_global_scale": float(m.input_global_scale.reshape(-1)[0]),
+                        "input_scale_rule": m.input_scale_rule, "input_error": m.input_error} if w4a4 else {})}
+                for n, m in quantized.items()},
+            "high_precision_linears": high,
+            "fused_groups": groups,
+            "files": info["files"],
+            "tensors": len(tensors),
+            "total_size": info["total_size"],
+            "bits_per_quantized_weight": _bits(quantized),
+        }
+        write_json(tmp / REPORT_FILE, report)
+    return out_dir
+
+
+def _bits(quantized: dict[str, NVFP4Linear]) -> float:
+    n = sum(m.out_features * m.in_features for m in quantized.values())
+    b = sum(m.weight_packed.numel() + m.weight_scale.numel() + 4 for m in quantized.values()) * 8
+    return round(b / n, 4) if n else math.nan
+
+
+__all__ = ["export_checkpoint", "REPORT_FILE"]

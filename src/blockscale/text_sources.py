@@ -1,0 +1,124 @@
+"""Text for calibration and evaluation: built-in corpora (offline), local files, Hugging Face datasets.
+
+A source is a string:
+  - a built-in name: "wikitext2" (WikiText-2 raw test split), "c4" (2,000 C4 validation documents),
+    "tinystories", "tinyshakespeare" (read from the shared data folder, see ``data_root``);
+  - a path to a ``.txt`` / ``.raw`` file (UTF-8) or a ``.jsonl`` file (one JSON object per line with a
+    "text" field; documents joined by blank lines);
+  - "hf:DATASET[,CONFIG][:SPLIT]" for a Hugging Face dataset with a "text" column (needs the
+    ``datasets`` package and the hub), e.g. "hf:wikitext,wikitext-2-raw-v1:test", "hf:allenai/c4,en:validation".
+An optional suffix "#A:B" keeps the characters from fraction A to fraction B of the text (cut at
+whitespace), so calibration and evaluation can use disjoint parts of one corpus: "tinystories#0.8:1".
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .paths import data_root
+
+BUILTIN_TEXTS = {
+    "wikitext2": "wikitext-2-raw/wiki.test.raw",
+    "c4": "c4-validation-2k/c4_validation_2k.jsonl",
+    "tinystories": "tinystories/tinystories_val_head.txt",
+    "tinyshakespeare": "tinyshakespeare/input.txt",
+}
+_RANGE = re.compile(r"^(?P<src>.*)#(?P<a>[0-9.]+):(?P<b>[0-9.]+)$")
+
+
+def _read_jsonl(path: Path) -> str:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise ValueError(f"{path}: line {n} has no string field 'text'")
+            docs.append(obj["text"])
+    return "\n\n".join(docs)
+
+
+def _read_hf(spec: str) -> str:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"text source 'hf:{spec}' needs the `datasets` package (pip install datasets)") from None
+    name, _, split = spec.partition(":")
+    path, _, config = name.partition(",")
+    ds = datasets.load_dataset(path, config or None, split=split or "train")
+    if "text" not in ds.column_names:
+        raise ValueError(f"dataset {spec!r} has no 'text' column (columns: {ds.column_names})")
+    return "\n\n".join(t for t in ds["text"] if t)
+
+
+def load_text(source: str, max_chars: Optional[int] = None) -> str:
+    """The text of ``source`` (see the module docstring), at most ``max_chars`` characters."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"text source must be a non-empty string, got {source!r}")
+    m = _RANGE.match(source)
+    lo, hi = 0.0, 1.0
+    if m:
+        source, lo, hi = m["src"], float(m["a"]), float(m["b"])
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"text range #{m['a']}:{m['b']}: need 0 <= A < B <= 1")
+    if source.startswith("hf:"):
+        text = _read_hf(source[3:])
+    else:
+        path = data_root() / BUILTIN_TEXTS[source] if source in BUILTIN_TEXTS else Path(source)
+        if not path.is_file():
+            hint = (f" (built-in corpora are read from {data_root()}; set BLOCKSCALE_DATA)" if source in BUILTIN_TEXTS
+                    else f"; built-in names: {', '.join(BUILTIN_TEXTS)}; or hf:DATASET[,CONFIG][:SPLIT]")
+            raise FileNotFoundError(f"text source {source!r}: {path} does not exist{hint}")
+        text = _read_jsonl(path) if path.suffix == ".jsonl" else path.read_text(encoding="utf-8")
+    if (lo, hi) != (0.0, 1.0):
+        a, b = int(lo * len(text)), int(hi * len(text))
+        a = a if a == 0 else text.find(" ", a) + 1 or a  # whole words at both ends
+        b = b if b == len(text) else max(text.rfind(" ", a, b), a)
+        text = text[a:b]
+    if max_chars is not None:
+        text = text[:max_chars]
+    if not text.strip():
+        raise ValueError(f"text source {source!r} is empty")
+    return text
+
+
+def calibration_batches(tokenizer, source: str, n_samples: int, seq_len: int, seed: int = 0,
+                        bos: bool = False) -> torch.Tensor:
+    """[n_samples, seq_len] token windows at seeded random offsets of the tokenized ``source``
+    (as GPTQ / AWQ calibrate); with ``bos`` each window starts with BOS."""
+    if n_samples < 1 or seq_len < 2:
+        raise ValueError(f"n_samples={n_samples}, seq_len={seq_len}: need n_samples >= 1 and seq_len >= 2")
+    body = seq_len - 1 if bos else seq_len
+    # enough text for a few times the tokens we need, without tokenizing a whole corpus
+    ids = tokenizer.encode(load_text(source, max_chars=max(400_000, 16 * n_samples * seq_len)))
+    if ids.numel() < body + 1:
+        raise ValueError(f"text source {source!r} has only {ids.numel()} tokens; need at least {body + 1}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - body + 1, (n_samples,), generator=gen)
+    out = torch.stack([ids[s:s + body] for s in starts.tolist()])
+    if bos:
+        if tokenizer.bos_id is None:
+            raise ValueError("bos=True but the tokenizer has no BOS token")
+        out = torch.cat([torch.full((n_samples, 1), tokenizer.bos_id, dtype=torch.long), out], dim=1)
+    return out
+
+
+def evaluation_tokens(tokenizer, source: str, bos_at_start: bool = False, max_tokens: Optional[int] = None) -> torch.Tensor:
+    """The whole of ``source`` as one token stream (optionally BOS first), cut to ``max_tokens``."""
+    ids = tokenizer.encode(load_text(source))
+    if bos_at_start:
+        if tokenizer.bos_id is None:
+            raise ValueError("bos at stream start requested but the tokenizer has no BOS token")
+        ids = torch.cat([torch.tensor([tokenizer.bos_id]), ids])
+    return ids if max_tokens is None else ids[:max_tokens]
+
+
+__all__ = ["BUILTIN_TEXTS", "calibration_batches", "evaluation_tokens", "load_text"]
