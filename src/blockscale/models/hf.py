@@ -103,6 +103,21 @@ def _smollm2_dir() -> Path:
     return d
 
 
+def _stories260k_tokenizer() -> Tokenizer:
+    tok = load_tokenizer(data_root() / "stories260K" / "tok512.bin")
+    return Tokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id)
+
+
+def _source_model(d: Path) -> Optional[str]:
+    """The model name a blockscale export was made from (its metadata), if recorded."""
+    try:
+        qc = json.loads((d / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    meta = (qc.get("blockscale") or {}).get("metadata") or {}
+    return meta.get("model") if isinstance(meta.get("model"), str) else None
+
+
 def _is_blockscale_checkpoint(d: Path) -> bool:
     if (d / "hf_quant_config.json").is_file():
         return True
@@ -128,9 +143,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
     if key == "stories260k":
         root = data_root() / "stories260K"
         hf = to_hf_llama(load_stories260k(root / "stories260K.bin")).to(device=device, dtype=dtype)
-        tok = load_tokenizer(root / "tok512.bin")
-        tokenizer = Tokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id)
-        return LoadedModel(hf, tokenizer, "stories260k")
+        return LoadedModel(hf, _stories260k_tokenizer(), "stories260k")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(name_or_path)
@@ -147,6 +160,8 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
         tok = None
         if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
             tok = _hf_tokenizer(AutoTokenizer.from_pretrained(path))
+        elif _source_model(path) == "stories260k":  # its tok512 tokenizer is not a transformers one
+            tok = _stories260k_tokenizer()
         return LoadedModel(model, tok, str(name_or_path))
     elif not path.exists() and ("/" not in str(name_or_path) or str(name_or_path).startswith((".", "/"))):
         raise FileNotFoundError(f"model {name_or_path!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), "

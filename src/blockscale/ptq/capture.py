@@ -10,14 +10,16 @@ from torch import nn
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of decoder layers: the longest ModuleList of same-class modules that
-    contain Linear layers (``model.model.layers`` for transformers Llama / Mistral / Qwen ...)."""
-    best = None
+    """The model's stack of decoder layers: the ModuleList of same-class blocks (not bare Linears,
+    which would be a list of experts) holding the most Linear layers (``model.model.layers`` for
+    transformers Llama / Mistral / Qwen ...)."""
+    best, best_count = None, 0
     for _, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(m) for m in mod}) == 1:
-            if any(isinstance(m, nn.Linear) for m in mod[0].modules()):
-                if best is None or len(mod) > len(best):
-                    best = mod
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(m) for m in mod}) == 1 \
+                and not isinstance(mod[0], nn.Linear):
+            count = sum(isinstance(m, nn.Linear) for m in mod.modules())
+            if count > best_count:
+                best, best_count = mod, count
     if best is None:
         raise ValueError(f"{type(model).__name__}: found no list of decoder layers with Linear layers to quantize")
     return best

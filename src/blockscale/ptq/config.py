@@ -10,7 +10,8 @@ METHODS = ("rtn", "awq", "smoothquant", "gptq")
 WEIGHT_SCALE_RULES = ("6", "4over6", "sweep")
 ACTIVATIONS = ("w4a16", "w4a4")
 FOUR_OVER_SIX_GPTQ = ("aware", "plain")
-DEFAULT_EXCLUDE = (r"(^|\.)lm_head$", r"(^|\.)embed", r"(^|\.)output$")
+# the output head, embeddings and MoE routers stay in high precision
+DEFAULT_EXCLUDE = (r"(^|\.)lm_head$", r"(^|\.)embed", r"(^|\.)output$", r"(^|\.)(router|gate|shared_expert_gate)$")
 
 
 def _check(name, value, allowed):

@@ -34,6 +34,7 @@ class LinearReport:
     tokens: int
     weight_rel_mse: float
     output_rel_err: Optional[float] = None  # tr(dW H dW^T) / tr(W H W^T) on the calibration inputs
+    rtn_output_rel_err: Optional[float] = None  # the same for RTN with the same scale rule and S (GPTQ only)
     input_amax: Optional[float] = None
     smoothing_alpha: Optional[float] = None
     note: str = ""
@@ -173,11 +174,16 @@ def _quantize_linears(root, linears: dict[str, nn.Linear], stats, cfg: PTQConfig
             wf = w.float()
             dw = new.dequantized_weight(torch.float32) - wf
             rel = float(dw.pow(2).sum() / wf.pow(2).sum().clamp_min(1e-30))
-            out_rel = None
+            out_rel = rtn_rel = None
             if H is not None:
-                out_rel = float(((dw @ H) * dw).sum() / ((wf @ H) * wf).sum().clamp_min(1e-30))
+                def out_err(d):
+                    return float(((d @ H) * d).sum() / ((wf @ H) * wf).sum().clamp_min(1e-30))
+
+                out_rel = out_err(dw)
+                if cfg.method == "gptq":
+                    rtn_rel = out_err(quantize(w, spec, encode_scale=S).dequantize(torch.float32) - wf)
             report.linears.append(LinearReport(n, tuple(w.shape), st.tokens if st is not None else 0, rel, out_rel,
-                                               st.amax if st is not None else None, alphas.get(n), note))
+                                               rtn_rel, st.amax if st is not None else None, alphas.get(n), note))
             _replace(root, n, new)
 
 
@@ -264,8 +270,10 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
         for lr in report.linears[-len(linears):] if linears else []:
             if lr.note:
                 report.warnings.append(f"{lr.name}: {lr.note}")
-    for w in report.warnings:
-        warnings.warn(w, RuntimeWarning, stacklevel=2)
+    if report.warnings:  # one warning for the whole model, each case listed
+        warnings.warn(f"{len(report.warnings)} layer(s) need attention (see report.warnings): "
+                      + "; ".join(report.warnings[:4]) + ("; ..." if len(report.warnings) > 4 else ""),
+                      RuntimeWarning, stacklevel=2)
     report.seconds = time.time() - t0
     return report
 

@@ -1,0 +1,64 @@
+"""`blockscale quantize` / `blockscale eval ppl` on the real stories260K model, and the known perplexity."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockscale import cli
+from blockscale.models import load_stories260k
+from blockscale.models.hf import load_model
+from blockscale.paths import data_root
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_stories260k_as_transformers_llama_keeps_its_logits_and_known_ppl(capsys, tmp_path):
+    lm = load_model("stories260k")
+    ours = load_stories260k(data_root() / "stories260K" / "stories260K.bin")
+    ids = torch.randint(0, 512, (2, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = lm.model(ids).logits, ours(ids)
+    assert float((a - b).abs().max()) < 1e-4 * float(b.abs().max())  # RoPE row permutation: fp32 rounding only
+    # the data README's number: ppl 5.05 at ctx 512, one BOS before the stream
+    out = tmp_path / "ppl.json"
+    assert cli.main(["eval", "ppl", "stories260k", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["ctx"] == 512 and rec["bos"] == "stream" and rec["tokens_evaluated"] == 392251
+    assert abs(rec["ppl"] - 5.048) < 1e-3
+
+
+def test_quantize_export_then_eval_the_checkpoint(capsys, tmp_path):
+    out = tmp_path / "ckpt"
+    args = ["quantize", "stories260k", "--method", "gptq", "--scale-rule", "4over6", "--w4a4", "--skip-indivisible",
+            "--n-samples", "8", "--seq-len", "64", "--format", "modelopt", "--out", str(out),
+            "--eval", "tinystories#0:0.05"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "wrote modelopt checkpoint" in printed
+    report = json.loads((out / "ptq_report.json").read_text())
+    assert report["ptq"]["config"]["method"] == "gptq" and len(report["ptq"]["linears"]) == 30
+    assert (out / "hf_quant_config.json").is_file() and (out / "blockscale_report.json").is_file()
+    assert json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+    # the reloaded checkpoint scores exactly what the in-memory model scored
+    assert cli.main(["eval", "ppl", str(out), "--data", "tinystories#0:0.05", "--ctx", "512", "--bos", "stream",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert rec["loss"] == report["perplexity"]["loss"] and rec["tokens_evaluated"] == report["perplexity"]["tokens_evaluated"]
+    assert 3.0 < rec["ppl"] < 8.0
+    # an existing output directory is not overwritten without --overwrite
+    assert cli.main(args) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_cli_errors(capsys, tmp_path):
+    assert cli.main(["quantize", "stories260k", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "not a multiple of 16" in err and "skip_indivisible" in err
+    assert not (tmp_path / "x").exists()
+    assert cli.main(["eval", "ppl", "no-such-model"]) == 2
+    assert "not a built-in name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["quantize", "stories260k", "--out", str(tmp_path / "y"), "--method", "hqq"])

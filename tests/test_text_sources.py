@@ -1,0 +1,67 @@
+"""Text sources for calibration / evaluation: built-in corpora, files, ranges, token windows."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockscale import data_root
+from blockscale.models.hf import Tokenizer
+from blockscale.text_sources import calibration_batches, evaluation_tokens, load_text
+
+BYTES = Tokenizer(lambda text: list(text.encode("utf-8")), bos_id=256, eos_id=None)
+
+
+def test_builtin_and_file_sources(tmp_path):
+    wiki = load_text("wikitext2")
+    assert wiki.startswith(" = Robert Boulter = \n Robert Boulter is") and len(wiki) == 1_285_622
+    c4 = load_text("c4")
+    with open(data_root() / "c4-validation-2k/c4_validation_2k.jsonl") as f:
+        first, second = (json.loads(f.readline())["text"] for _ in range(2))
+    assert c4.startswith(first + "\n\n" + second + "\n\n")
+    p = tmp_path / "docs.jsonl"
+    p.write_text('{"text": "one two"}\n\n{"text": "three"}\n')
+    assert load_text(str(p)) == "one two\n\nthree"
+    t = tmp_path / "plain.txt"
+    t.write_text("alpha beta gamma delta epsilon zeta eta theta")
+    assert load_text(str(t), max_chars=10) == "alpha beta"
+
+
+def test_ranges_are_disjoint_whole_words():
+    text = load_text("tinystories")
+    a, b = load_text("tinystories#0:0.8"), load_text("tinystories#0.8:1")
+    assert text.startswith(a) and text.endswith(b)
+    assert len(a) + len(b) <= len(text) and len(a) > 0.79 * len(text) and len(b) > 0.19 * len(text)
+    assert not a.endswith(" ") and text[len(a)] == " "  # cut at whitespace
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="built-in names"):
+        load_text("no-such-corpus")
+    with pytest.raises(ValueError, match="need 0 <= A < B <= 1"):
+        load_text("wikitext2#0.5:0.2")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{not json\n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        load_text(str(bad))
+    notext = tmp_path / "notext.jsonl"
+    notext.write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match="no string field 'text'"):
+        load_text(str(notext))
+    with pytest.raises(ValueError, match="n_samples"):
+        calibration_batches(BYTES, "wikitext2", 0, 16)
+
+
+def test_calibration_windows_are_seeded_slices_of_the_stream():
+    a = calibration_batches(BYTES, "tinyshakespeare", 4, 64, seed=1)
+    b = calibration_batches(BYTES, "tinyshakespeare", 4, 64, seed=1)
+    c = calibration_batches(BYTES, "tinyshakespeare", 4, 64, seed=2)
+    assert a.shape == (4, 64) and torch.equal(a, b) and not torch.equal(a, c)
+    text = load_text("tinyshakespeare").encode()
+    for row in a:
+        assert bytes(row.tolist()) in text
+    withbos = calibration_batches(BYTES, "tinyshakespeare", 3, 64, bos=True)
+    assert withbos.shape == (3, 64) and (withbos[:, 0] == 256).all()
+    ev = evaluation_tokens(BYTES, "tinyshakespeare", bos_at_start=True, max_tokens=100)
+    assert ev.shape == (100,) and ev[0] == 256 and bytes(ev[1:].tolist()) == text[:99]
