@@ -128,7 +128,7 @@ def test_rope_is_a_rotation(interleaved):
     head_dim, T = 16, 40
     cos, sin = rope_tables(head_dim, T, 10000.0)
     q, k = torch.randn(2, 3, T, head_dim), torch.randn(2, 3, T, head_dim)
-    rq, rk = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
+    rq = apply_rope(q, cos, sin, interleaved)
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))  # norm preserving
     torch.testing.assert_close(rq[..., 0, :], q[..., 0, :])      # position 0: angle 0
     # relative: <R_m q, R_n k> depends only on m - n (same vectors placed at shifted positions)

@@ -1,7 +1,6 @@
 """MX (MXFP8 / MXFP4) and S2F6 block quantizers against independent references."""
 import math
 
-import numpy as np
 import pytest
 import torch
 

@@ -1,5 +1,4 @@
 """NVFP4: spec order of operations, outer scales, Four Over Six, sweep, 2D blocks, edge cases."""
-import numpy as np
 import pytest
 import torch
 

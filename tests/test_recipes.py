@@ -6,7 +6,7 @@ import yaml
 
 import blockscale as bs
 from blockscale.recipes import (LinearRecipe, Recipe, get_recipe, list_recipes, load_recipe_file,
-                                recipe_to_dict, save_recipe)
+                                save_recipe)
 
 BUILTINS = ["bf16", "mxfp8", "nvfp4-fwd-mxfp8-bwd", "nvfp4-nvidia", "nvfp4-nvidia-4over6"]
 

@@ -65,3 +65,21 @@ def test_calibration_windows_are_seeded_slices_of_the_stream():
     assert withbos.shape == (3, 64) and (withbos[:, 0] == 256).all()
     ev = evaluation_tokens(BYTES, "tinyshakespeare", bos_at_start=True, max_tokens=100)
     assert ev.shape == (100,) and ev[0] == 256 and bytes(ev[1:].tolist()) == text[:99]
+
+
+def test_hf_dataset_source_needs_datasets():
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is not None:
+        pytest.skip("datasets is installed; the hub is not reachable here")
+    with pytest.raises(ImportError, match="needs the `datasets` package"):
+        load_text("hf:wikitext,wikitext-2-raw-v1:test")
+
+
+def test_model_loading_errors(tmp_path):
+    from blockscale.models.hf import load_model
+
+    with pytest.raises(FileNotFoundError, match="GGUF file"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="not a built-in name"):
+        load_model("not-a-model")

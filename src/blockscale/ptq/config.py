@@ -1,23 +1,16 @@
 """PTQConfig: what post-training quantization does to a model (method, scale rule, activations)."""
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 
 from ..quant import NVFP4
+from ..quant.specs import _check
+from ..recipes.recipe import DEFAULT_EXCLUDE, check_patterns  # embeddings, the output head, MoE routers: as in training
 
 METHODS = ("rtn", "awq", "smoothquant", "gptq")
 WEIGHT_SCALE_RULES = ("6", "4over6", "sweep")
 ACTIVATIONS = ("w4a16", "w4a4")
 FOUR_OVER_SIX_GPTQ = ("aware", "plain")
-# the output head, embeddings and MoE routers stay in high precision
-DEFAULT_EXCLUDE = (r"(^|\.)lm_head$", r"(^|\.)embed", r"(^|\.)output$", r"(^|\.)(router|gate|shared_expert_gate)$")
-
-
-def _check(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}")
-
 
 @dataclass(frozen=True)
 class PTQConfig:
@@ -68,12 +61,7 @@ class PTQConfig:
         _check("act_scale_rule", self.act_scale_rule, ("6", "4over6"))
         _check("gptq_four_over_six", self.gptq_four_over_six, FOUR_OVER_SIX_GPTQ)
         NVFP4(scale_rule=self.scale_rule, error=self.error)  # validates error
-        object.__setattr__(self, "exclude", tuple(self.exclude))
-        for pat in self.exclude:
-            try:
-                re.compile(pat)
-            except re.error as e:
-                raise ValueError(f"exclude pattern {pat!r} is not a valid regex: {e}") from None
+        object.__setattr__(self, "exclude", check_patterns(self.exclude))
         for name in ("n_samples", "seq_len", "batch_size", "awq_grid", "awq_max_tokens", "gptq_block_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -28,6 +28,18 @@ HADAMARD_SIGNS = ("te", "random")
 DEFAULT_EXCLUDE = (r"embed", r"(^|\.)(lm_head|output|classifier)$", r"router", r"(^|\.)gate$")
 
 
+def check_patterns(patterns) -> tuple[str, ...]:
+    """``patterns`` as a tuple of valid regular expressions (ValueError naming a bad one)."""
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    for pat in patterns:
+        try:
+            re.compile(pat)
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"exclude pattern {pat!r} is not a valid regular expression: {exc}") from None
+    return tuple(patterns)
+
+
 def _check(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}")
@@ -96,12 +108,7 @@ class Recipe:
     def __post_init__(self):
         if not isinstance(self.linear, LinearRecipe):
             raise ValueError(f"linear must be a LinearRecipe, got {type(self.linear).__name__}")
-        object.__setattr__(self, "exclude", tuple(self.exclude))
-        for pat in self.exclude:
-            try:
-                re.compile(pat)
-            except re.error as exc:
-                raise ValueError(f"exclude pattern {pat!r} is not a valid regular expression: {exc}") from exc
+        object.__setattr__(self, "exclude", check_patterns(self.exclude))
         if not (isinstance(self.last_blocks_fraction, (int, float)) and 0.0 <= self.last_blocks_fraction <= 1.0):
             raise ValueError(f"last_blocks_fraction={self.last_blocks_fraction!r} must be a number in [0, 1]")
         if self.last_blocks_fraction > 0 and not self.last_blocks_recipe:
