@@ -34,7 +34,11 @@ METHODS = [
     ("GPTQ", dict(method="gptq")),
     ("GPTQ+4/6 (plain)", dict(method="gptq", scale_rule="4over6", gptq_four_over_six="plain")),
     ("GPTQ+4/6 (aware)", dict(method="gptq", scale_rule="4over6", gptq_four_over_six="aware")),
+    # W4A4 only: Four Over Six on the activations too
+    ("RTN-4/6, activations 4/6", dict(method="rtn", scale_rule="4over6", act_scale_rule="4over6")),
+    ("GPTQ+4/6 (aware), activations 4/6", dict(method="gptq", scale_rule="4over6", act_scale_rule="4over6")),
 ]
+W4A4_ONLY = {"RTN-4/6, activations 4/6", "GPTQ+4/6 (aware), activations 4/6"}
 
 
 def run(args) -> None:
@@ -65,6 +69,8 @@ def run(args) -> None:
         for label, fields in METHODS:
             key = f"{label} {acts}"
             if key in done or (args.only and not any(o in label for o in args.only)):
+                continue
+            if acts == "w4a16" and label in W4A4_ONLY:
                 continue
             cfg = PTQConfig(activations=acts, n_samples=args.n_samples, seq_len=args.seq_len,
                             skip_indivisible=skip_indivisible, **fields)

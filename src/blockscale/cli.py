@@ -134,7 +134,9 @@ def _add_demo(sub) -> None:
                         "0: the whole file)")
     d.add_argument("--n-samples", type=int, default=32, help="calibration windows (default 32)")
     d.add_argument("--seq-len", type=int, default=512, help="calibration window length (default 512)")
-    d.add_argument("--best", default="gptq", choices=("gptq", "awq"), help="the calibrated method shown (with 4/6)")
+    d.add_argument("--best", default="awq", choices=("awq", "gptq"),
+                   help="the calibrated method shown, with 4/6 (default awq: the best on SmolLM2 in docs/results/ptq.md; "
+                        "gptq: the 4/6-aware GPTQ)")
     d.add_argument("--threads", type=int, help="torch CPU threads")
     d.set_defaults(func=_cmd_demo)
 

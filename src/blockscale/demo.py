@@ -28,7 +28,7 @@ def _table(rows, fp_ppl) -> str:
 
 
 def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_tokens: int = 8192, n_samples: int = 32,
-             seq_len: int = 512, best: str = "gptq") -> int:
+             seq_len: int = 512, best: str = "awq") -> int:
     t_start = time.time()
     if eval_tokens is not None and eval_tokens < 0:
         raise ValueError(f"eval_tokens={eval_tokens}: must be >= 0 (0: the whole evaluation text)")
