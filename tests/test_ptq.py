@@ -221,3 +221,22 @@ def test_bad_input_errors():
         quantize_model(odd, PTQConfig(), progress=False)
     rep = quantize_model(odd, PTQConfig(skip_indivisible=True), progress=False)
     assert len(rep.linears) == 1 and rep.linears[0].name.endswith("down_proj")  # the only 16-divisible input
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_bf16_model_quantizes_and_reloads_bit_identical(method, tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    # built in bf16 the way from_pretrained builds it (RoPE frequencies stay fp32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    quantize_model(model, PTQConfig(method=method, scale_rule="4over6", activations="w4a4", n_samples=8, seq_len=32,
+                                    batch_size=4, awq_grid=4), calib(), progress=False)
+    assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    probe = calib(2, 24, seed=7)
+    with torch.no_grad():
+        logits = model(probe).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    back = bs.load(bs.export_checkpoint(model, tmp_path / "ct", "compressed-tensors"))
+    with torch.no_grad():
+        assert torch.equal(back(probe).logits, logits)
