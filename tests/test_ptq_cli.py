@@ -62,3 +62,22 @@ def test_cli_errors(capsys, tmp_path):
     assert "not a built-in name" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["quantize", "stories260k", "--out", str(tmp_path / "y"), "--method", "hqq"])
+
+
+def test_local_transformers_directory(tmp_path, capsys):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    src = transformers.LlamaForCausalLM(cfg).eval()
+    src.save_pretrained(tmp_path / "llama")  # weights and config only: no tokenizer
+    lm = load_model(str(tmp_path / "llama"))
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids).logits, src(ids).logits)
+    assert lm.tokenizer is None
+    assert cli.main(["quantize", str(tmp_path / "llama"), "--out", str(tmp_path / "q")]) == 0  # RTN W4A16
+    assert (tmp_path / "q" / "model.safetensors").is_file()
+    assert cli.main(["quantize", str(tmp_path / "llama"), "--method", "gptq", "--out", str(tmp_path / "g")]) == 2
+    assert "no tokenizer" in capsys.readouterr().err

@@ -160,15 +160,21 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
         raise FileNotFoundError(f"model {name_or_path!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), "
                                 "not an existing path, and not a hub name of the form org/name")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
+    source = path if path.exists() else name_or_path
     try:
-        tok = AutoTokenizer.from_pretrained(path if path.exists() else name_or_path, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path if path.exists() else name_or_path, dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
     except OSError as e:
         raise OSError(f"could not load {name_or_path!r} through transformers: {e}") from e
+    try:
+        tok = hf_tokenizer(AutoTokenizer.from_pretrained(source, **kw))
+    except (OSError, ValueError):
+        if not path.is_dir():
+            raise
+        tok = None  # a local weights-only directory: quantizing with RTN W4A16 still works
     model = model.to(device).eval()
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False
-    return LoadedModel(model, hf_tokenizer(tok), str(name_or_path))
+    return LoadedModel(model, tok, str(name_or_path))
 
 
 __all__ = ["BUILTIN_MODELS", "LoadedModel", "Tokenizer", "hf_tokenizer", "is_blockscale_checkpoint", "load_model",

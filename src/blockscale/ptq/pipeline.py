@@ -97,6 +97,9 @@ def calibrate_and_quantize(model, tokenizer, config: PTQConfig, calib: str, cali
     """Draw calibration windows from ``calib`` (when the method needs them) and quantize ``model`` in place."""
     batches = None
     if config.needs_calibration:
+        if tokenizer is None:
+            raise ValueError(f"method={config.method!r} / activations={config.activations!r} calibrates on text, "
+                             "but this model has no tokenizer (save one next to the weights)")
         batches = calibration_batches(tokenizer, calib, config.n_samples, config.seq_len, seed=config.seed,
                                       bos=calib_bos)
     report = quantize_model(model, config, batches, device=device, progress=progress)
