@@ -240,3 +240,10 @@ def test_bf16_model_quantizes_and_reloads_bit_identical(method, tmp_path):
     back = bs.load(bs.export_checkpoint(model, tmp_path / "ct", "compressed-tensors"))
     with torch.no_grad():
         assert torch.equal(back(probe).logits, logits)
+
+
+def test_partly_excluded_fused_group_is_refused_before_calibration():
+    with pytest.raises(ValueError, match="fused modules .*k_proj"):
+        quantize_model(tiny_llama(), PTQConfig(method="gptq", exclude=(r"k_proj$",)), calib(), progress=False)
+    rep = quantize_model(tiny_llama(), PTQConfig(exclude=(r"(q|k|v)_proj$",)), progress=False)
+    assert len(rep.linears) == 2 * 4

@@ -225,6 +225,14 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
                                  "checkpoints need; keep it in high precision with exclude=[...] or skip_indivisible=True")
             chosen[full] = m
         per_layer.append(chosen)
+        # serving engines load a fused group as one layer: all of it NVFP4 or none (checked before calibrating)
+        linear_names = [f"{prefix}.{i}.{n}" for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+        for group in fused_groups(linear_names):
+            part = [n for n in group if n in chosen]
+            if part and len(part) != len(group):
+                raise ValueError(f"fused modules {group}: only {part} would be quantized (exclude / skip_indivisible "
+                                 "keep the others in high precision); serving engines load the group as one layer, "
+                                 "so quantize all of them or none")
     in_layers = {id(m) for d in per_layer for m in d.values()}
     for n, m in model.named_modules():
         if isinstance(m, nn.Linear) and id(m) not in in_layers and n not in report.kept_high_precision:

@@ -1,0 +1,194 @@
+"""NVFP4 scale learning: learned step size quantization (Esser et al. 2020) of the E4M3 block scales.
+
+Each block scale is parameterised by an FP32 per-block amax (scale = amax/6, the "6" convention).
+With W [N, K] (K a multiple of 16), S the fixed FP32 outer encode scale and amax [N, K/16]:
+
+    s_e = e4m3_rne(min(max(amax, 0) * (S * (1/6)), 448))      stored block scale (library order)
+    e   = min(1 / (s_e * (1/S)), FLT_MAX)   (0 where s_e = 0)
+    q   = e2m1_rne(clamp(x * e, -6, 6))                        codes
+    x~  = (q * s_e) * (1/S)                                    exactly ``fake_quantize`` / dequantize
+
+"tied": one amax per block for codes and value. "dual": codes from amax_pre, value from amax_post
+(x~ = (q_pre * s_e_post) * (1/S)). Backward is a straight-through estimator in real units
+s = s_e/S (the E4M3 rounding of the scale passed straight through, ds/damax = 1/6), with
+u = x * e and inside = |u| <= 6 (and s > 0):
+
+    tied:  dL/dx = dL/dx~ * inside;  dL/ds = sum_block dL/dx~ * (q - u * inside)
+           (q - u inside; +-6 outside, since q saturates at +-6)
+    dual:  dL/ds_post = sum dL/dx~ * q;  dL/ds_pre = sum dL/dx~ * (-(s_post/s_pre) * u) * inside;
+           dL/dx = dL/dx~ * (s_post/s_pre) * inside
+    dL/damax = dL/ds / 6 * grad_scale
+
+There is no lower floor on amax: E4M3 subnormal block scales are legal; only a block whose scale is 0
+(amax <= 0, or so small that e4m3 rounds it to 0) reconstructs as 0, with zero gradients.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..formats.e2m1 import e2m1_index, pack_nibbles
+from ..formats.minifloat import E4M3, round_magnitude
+from ..quant.dispatch import quantize
+from ..quant.nvfp4 import _rounded_magnitudes
+from ..quant.specs import NVFP4
+from ..quant.tensor import QuantizedTensor
+
+BLOCK = 16
+LSQ_MODES = ("tied", "dual")
+LSQ_INITS = ("6", "4over6", "sweep", "4", "mse")
+_INIT_RULE = {"6": "6", "4over6": "4over6", "sweep": "sweep", "4": "4", "mse": "sweep"}
+
+
+def _inv(S: torch.Tensor) -> torch.Tensor:
+    return 1.0 / S  # a true FP32 division, as quantize_nvfp4 computes 1/S
+
+
+def block_scales(amax: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """Stored E4M3 block scales (as FP32 values) of FP32 amax [...]: e4m3_rne(min(amax*(S*(1/6)), 448));
+    amax <= 0 gives 0."""
+    t = torch.clamp(amax.detach().float(), min=0.0) * (S * (1.0 / 6.0))
+    return round_magnitude(torch.clamp(t, max=448.0), E4M3)
+
+
+def _signed(xb, s_e, inv_s):
+    """(u = x*e, signed E2M1 values q, neg) for blocks xb [N, nb, 16] with scales s_e [N, nb, 1]."""
+    neg, v = _rounded_magnitudes(xb, s_e, inv_s, None, "nearest", "hardware")
+    e = torch.clamp(1.0 / (s_e * inv_s), max=torch.finfo(torch.float32).max)
+    e = torch.where(s_e == 0, torch.zeros_like(e), e)
+    return xb * e, torch.where(neg, -v, v), neg, v
+
+
+class _LSQFn(torch.autograd.Function):
+    """x~ = (q(x, s_pre) * s_e_post) * (1/S) with the STE backward above (tied: amax_post is None)."""
+
+    @staticmethod
+    def forward(ctx, w, amax_pre, amax_post, S, grad_scale):
+        N, K = w.shape
+        xb = w.detach().float().reshape(N, K // BLOCK, BLOCK)
+        inv_s = _inv(S)
+        s_pre = block_scales(amax_pre, S).unsqueeze(-1)
+        s_post = s_pre if amax_post is None else block_scales(amax_post, S).unsqueeze(-1)
+        u, q, _, _ = _signed(xb, s_pre, inv_s)
+        ctx.save_for_backward(u, q, s_pre, s_post)
+        ctx.tied = amax_post is None
+        ctx.grad_scale = grad_scale
+        return ((q * s_post) * inv_s).reshape(N, K)
+
+    @staticmethod
+    def backward(ctx, gout):
+        u, q, s_pre, s_post = ctx.saved_tensors
+        N, nb, _ = u.shape
+        g = gout.float().reshape(N, nb, BLOCK)
+        inside = (u.abs() <= 6.0) & (s_pre > 0)
+        k = ctx.grad_scale / 6.0
+        zero = torch.zeros_like(u)
+        if ctx.tied:
+            d_s = (g * (q - torch.where(inside, u, zero))).sum(-1)
+            dw = torch.where(inside, g, zero)
+            return dw.reshape(N, nb * BLOCK), d_s * k, None, None, None
+        ratio = torch.where(s_pre > 0, s_post / torch.where(s_pre > 0, s_pre, torch.ones_like(s_pre)),
+                            torch.zeros_like(s_pre))
+        d_post = (g * q).sum(-1)
+        d_pre = (g * torch.where(inside, -ratio * u, zero)).sum(-1)
+        dw = torch.where(inside, g * ratio, zero)
+        return dw.reshape(N, nb * BLOCK), d_pre * k, d_post * k, None, None
+
+
+def lsq_fake_quantize(w: torch.Tensor, amax: torch.Tensor, encode_scale: torch.Tensor,
+                      amax_post: torch.Tensor | None = None, grad_scale: float = 1.0) -> torch.Tensor:
+    """Functional form: the LSQ fake-quantized FP32 ``w`` [N, K] (tied if ``amax_post`` is None, else
+    dual with ``amax`` as amax_pre), differentiable w.r.t. ``w`` and the amax tensor(s)."""
+    return _LSQFn.apply(w, amax, amax_post, encode_scale, float(grad_scale))
+
+
+def _amax_for_scales(s_e: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """An FP32 amax with block_scales(amax, S) == s_e exactly (s_e on the E4M3 grid)."""
+    amax = (s_e * 6.0) / S
+    for _ in range(64):
+        got = block_scales(amax, S)
+        lo, hi = got < s_e, got > s_e
+        if not bool((lo | hi).any()):
+            return amax
+        amax = torch.where(lo, torch.nextafter(amax, torch.full_like(amax, math.inf)), amax)
+        amax = torch.where(hi, torch.nextafter(amax, torch.zeros_like(amax)), amax)
+    raise RuntimeError("could not find an amax reproducing the chosen E4M3 block scales")  # pragma: no cover
+
+
+class NVFP4ScaleLearner(nn.Module):
+    """A learnable NVFP4 fake quantizer of one weight [N, K] (K a multiple of 16).
+
+    weight: an FP32 ``nn.Parameter`` (requires_grad = ``train_weight``). Tied mode: ``amax`` [N, K/16];
+    dual mode: ``amax_pre`` (codes) and ``amax_post`` (value scale). ``encode_scale`` S (buffer, FP32 [])
+    stays fixed. init: "6" (the block amax), or "4over6" / "sweep" ("mse") / "4": the amax that maps
+    to the E4M3 scale ``quantize(weight, NVFP4(scale_rule=init), encode_scale=S)`` chose.
+    grad_scale: the LSQ gradient-scale factor multiplying the amax gradients.
+    """
+
+    def __init__(self, weight: torch.Tensor, encode_scale, mode: str = "tied", init: str = "6",
+                 grad_scale: float = 1.0, train_weight: bool = False):
+        super().__init__()
+        if mode not in LSQ_MODES:
+            raise ValueError(f"mode={mode!r}; allowed values: {', '.join(LSQ_MODES)}")
+        if init not in LSQ_INITS:
+            raise ValueError(f"init={init!r}; allowed values: {', '.join(LSQ_INITS)}")
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise ValueError("weight must be a floating-point torch.Tensor")
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+        if weight.shape[1] % BLOCK:
+            raise ValueError(f"weight shape {tuple(weight.shape)}: K={weight.shape[1]} must be a multiple of 16")
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("weight contains NaN/inf values")
+        if not (isinstance(grad_scale, (int, float)) and math.isfinite(grad_scale)):
+            raise ValueError(f"grad_scale={grad_scale!r}: expected a finite float")
+        S = torch.as_tensor(encode_scale).detach().to(device=weight.device, dtype=torch.float32)
+        if S.numel() != 1:
+            raise ValueError(f"encode_scale must be one FP32 scalar, got shape {tuple(S.shape)}")
+        S = S.reshape(())
+        if not (bool(torch.isfinite(S)) and float(S) > 0):
+            raise ValueError(f"encode_scale={float(S)!r}: must be a positive finite FP32 scalar")
+        self.mode, self.init, self.grad_scale = mode, init, float(grad_scale)
+        self.spec = NVFP4(scale_rule=_INIT_RULE[init])
+        w = weight.detach().to(torch.float32).clone()
+        self.weight = nn.Parameter(w, requires_grad=train_weight)
+        self.register_buffer("encode_scale", S.clone())
+        N, K = w.shape
+        if init == "6":
+            amax = w.abs().reshape(N, K // BLOCK, BLOCK).amax(-1)
+        else:
+            s_e = quantize(w, self.spec, encode_scale=S).scales.to(torch.float32)
+            amax = _amax_for_scales(s_e, S)
+        if mode == "tied":
+            self.amax = nn.Parameter(amax.clone())
+        else:
+            self.amax_pre = nn.Parameter(amax.clone())
+            self.amax_post = nn.Parameter(amax.clone())
+
+    def _amaxes(self):
+        return (self.amax, None) if self.mode == "tied" else (self.amax_pre, self.amax_post)
+
+    def forward(self) -> torch.Tensor:
+        """The fake-quantized weight x~ [N, K] FP32."""
+        pre, post = self._amaxes()
+        return _LSQFn.apply(self.weight, pre, post, self.encode_scale, self.grad_scale)
+
+    @torch.no_grad()
+    def to_quantized(self) -> QuantizedTensor:
+        """NVFP4 export: codes from s_pre (tied: s), E4M3 scales s_e_post; dequantize() == forward()."""
+        pre, post = self._amaxes()
+        S = self.encode_scale
+        N, K = self.weight.shape
+        xb = self.weight.detach().reshape(N, K // BLOCK, BLOCK)
+        s_pre = block_scales(pre, S)
+        s_post = s_pre if post is None else block_scales(post, S)
+        _, _, neg, v = _signed(xb, s_pre.unsqueeze(-1), _inv(S))
+        codes = (e2m1_index(v) | (neg.to(torch.uint8) << 3)).reshape(N, K)
+        amax_st = torch.tensor(self.spec.outer_bound * 6.0, dtype=torch.float32, device=S.device) / S
+        return QuantizedTensor(spec=self.spec, codes=pack_nibbles(codes), scales=s_post.to(torch.float8_e4m3fn),
+                               shape=torch.Size((N, K)), dtype=torch.float32, outer_scale=S.clone(), amax=amax_st)
+
+    def extra_repr(self) -> str:
+        return f"shape={tuple(self.weight.shape)}, mode={self.mode!r}, init={self.init!r}, grad_scale={self.grad_scale}"
