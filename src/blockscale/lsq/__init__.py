@@ -1,4 +1,6 @@
 """Learned step size (LSQ) training of NVFP4 block scales."""
+from .enable import ENABLE_INITS, LSQLinear, enable, freeze, lsq_layers, scale_parameters, weight_parameters
 from .quantizer import LSQ_INITS, LSQ_MODES, NVFP4ScaleLearner, lsq_fake_quantize
 
-__all__ = ["NVFP4ScaleLearner", "lsq_fake_quantize", "LSQ_MODES", "LSQ_INITS"]
+__all__ = ["ENABLE_INITS", "LSQLinear", "LSQ_INITS", "LSQ_MODES", "NVFP4ScaleLearner", "enable", "freeze",
+           "lsq_fake_quantize", "lsq_layers", "scale_parameters", "weight_parameters"]
