@@ -154,6 +154,12 @@ def save_checkpoint(path: Union[str, Path], model: nn.Module, optimizer: torch.o
         rng["cuda"] = torch.cuda.get_rng_state_all()
     obj = {"format": CKPT_FORMAT, "step": int(step), "model": model.state_dict(),
            "optimizer": optimizer.state_dict(), "rng": rng, "config": cfg.to_dict(), **extra}
+    return save_atomic(path, obj)
+
+
+def save_atomic(path: Union[str, Path], obj: dict) -> Path:
+    """torch.save ``obj`` to ``path`` through a temporary file and os.replace (never half-written)."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
@@ -163,20 +169,26 @@ def save_checkpoint(path: Union[str, Path], model: nn.Module, optimizer: torch.o
     return path
 
 
-def load_checkpoint(path: Union[str, Path]) -> dict:
-    """Read a checkpoint with ``weights_only=True`` (tensors on CPU). Raises CheckpointError when the
-    file is corrupt, truncated or not a blockscale.train checkpoint; FileNotFoundError when absent."""
+def load_weights_only(path: Union[str, Path]):
+    """``torch.load(path, weights_only=True)`` on CPU; CheckpointError when corrupt, truncated or holding
+    objects beyond tensors and plain data; FileNotFoundError when absent."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for bad zip / pickle data
         if zipfile.is_zipfile(path) and "weights only" in str(exc).lower():
             raise CheckpointError(f"checkpoint {path} holds objects that torch.load(weights_only=True) refuses "
                                   f"(checkpoints may hold only tensors and plain data): {exc}") from exc
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated and cannot be loaded "
                               f"({type(exc).__name__}: {exc}); delete it to start over") from exc
+
+
+def load_checkpoint(path: Union[str, Path]) -> dict:
+    """Read a checkpoint with ``weights_only=True`` (tensors on CPU). Raises CheckpointError when the
+    file is corrupt, truncated or not a blockscale.train checkpoint; FileNotFoundError when absent."""
+    obj = load_weights_only(path)
     missing = [k for k in ("step", "model", "optimizer", "rng", "config") if not isinstance(obj, dict) or k not in obj]
     if missing or obj.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"{path} is not a {CKPT_FORMAT} checkpoint (missing {missing or ['format']})")
