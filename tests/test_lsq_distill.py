@@ -150,3 +150,27 @@ def test_bad_inputs_raise(pair, tmp_path):
         distill(student, teacher, ids(4, 8), DistillConfig(seq_len=16), progress=False)
     with pytest.raises(ValueError, match="resume"):
         distill(student, teacher, ids(4, 32), DistillConfig(seq_len=16), resume=True, progress=False)
+
+
+def test_learn_scales_cli_on_stories260k(tmp_path, capsys):
+    """RTN-initialised scale learning from the command line: the exported checkpoint scores exactly what
+    the trained model scored; a PTQ checkpoint directory works as input too (teacher from its metadata)."""
+    import json
+
+    from blockscale import cli
+
+    out = tmp_path / "learned"
+    common = ["--skip-indivisible", "--steps", "6", "--n-samples", "16", "--seq-len", "64", "--lr-scales", "1e-3",
+              "--eval", "tinystories#0:0.02"]
+    assert cli.main(["learn-scales", "stories260k", "--mode", "dual", "--out", str(out)] + common) == 0
+    rep = json.loads((out / "lsq_report.json").read_text())
+    before, after = rep["perplexity"]["before"], rep["perplexity"]["after"]
+    assert after["loss"] < before["loss"]
+    assert cli.main(["eval", "ppl", str(out), "--data", "tinystories#0:0.02", "--json", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["loss"] == after["loss"]
+    ptq = tmp_path / "gptq"
+    assert cli.main(["quantize", "stories260k", "--method", "gptq", "--skip-indivisible", "--n-samples", "8",
+                     "--seq-len", "64", "--out", str(ptq)]) == 0
+    assert cli.main(["learn-scales", str(ptq), "--out", str(tmp_path / "learned2"), "--steps", "2", "--n-samples", "8",
+                     "--seq-len", "64"]) == 0
+    assert (tmp_path / "learned2" / "model.safetensors").is_file()

