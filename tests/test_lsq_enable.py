@@ -13,18 +13,9 @@ from blockscale.nn import NVFP4Linear
 from blockscale.ptq import PTQConfig, quantize_model
 
 transformers = pytest.importorskip("transformers")
+from tiny_models import tiny_hf_llama, token_ids  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_llama():
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def ids(n=8, t=32, seed=0):
-    return torch.randint(0, 96, (n, t), generator=torch.Generator().manual_seed(seed))
+tiny_llama, ids = tiny_hf_llama, token_ids
 
 
 def logits(model, x):

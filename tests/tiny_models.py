@@ -1,0 +1,19 @@
+"""Tiny random transformers models for tests (built from a config: no download)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_hf_llama(seed: int = 0):
+    """A 2-layer LlamaForCausalLM (vocab 96, hidden 64, GQA 4/2 heads), fp32, eval mode."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def token_ids(n: int = 8, t: int = 32, seed: int = 0, vocab: int = 96) -> torch.Tensor:
+    """[n, t] seeded random token ids."""
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
