@@ -60,6 +60,10 @@ def test_cli_errors(capsys, tmp_path):
     assert not (tmp_path / "x").exists()
     assert cli.main(["eval", "ppl", "no-such-model"]) == 2
     assert "not a built-in name" in capsys.readouterr().err
+    assert cli.main(["eval", "ppl", "stories260k", "--threads", "0"]) == 2
+    assert "--threads 0: must be >= 1" in capsys.readouterr().err
+    assert cli.main(["eval", "ppl", "stories260k", "--max-tokens", "-5"]) == 2
+    assert "max_tokens=-5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["quantize", "stories260k", "--out", str(tmp_path / "y"), "--method", "hqq"])
 

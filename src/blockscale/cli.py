@@ -42,8 +42,11 @@ def _dtype(name: str):
 def _setup(args) -> None:
     import torch
 
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads {threads}: must be >= 1")
+        torch.set_num_threads(threads)
 
 
 def _print_json(obj) -> None:
@@ -132,6 +135,7 @@ def _cmd_learn_scales(args) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
+    defaults = default_texts(args.model)
     path = Path(args.model)
     if path.is_dir() and is_blockscale_checkpoint(path):
         teacher_name = args.teacher or source_model(path)
@@ -145,11 +149,9 @@ def _cmd_learn_scales(args) -> int:
         student_lm.model = copy.deepcopy(teacher_lm.model)
         cfg = PTQConfig(method="rtn", scale_rule=args.scale_rule, activations="w4a4" if args.w4a4 else "w4a16",
                         skip_indivisible=args.skip_indivisible, n_samples=args.n_samples, seq_len=args.seq_len)
-        defaults = default_texts(args.model)
         ptq_report = calibrate_and_quantize(student_lm.model, teacher_lm.tokenizer, cfg, defaults.calib,
                                             defaults.calib_bos, progress=True).to_dict()
         weights = teacher_lm.model  # RTN of these weights: the step-0 model equals the PTQ model
-    defaults = default_texts(args.model)
     lsq.enable(student_lm.model, mode=args.mode, init="stored", weights=weights)
     tokens = calibration_batches(teacher_lm.tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
                                  seed=args.seed, bos=defaults.calib_bos)
@@ -182,6 +184,8 @@ def _cmd_learn_scales(args) -> int:
 
 
 def _add_learn_scales(sub) -> None:
+    from .lsq import LSQ_MODES
+
     p = sub.add_parser("learn-scales", help="learn NVFP4 block scales by distillation from the full-precision model",
                        description="Make the NVFP4 block scales of a quantized model trainable (LSQ, tied or dual), "
                                    "distill from the full-precision model, export with the learned scales.")
@@ -189,7 +193,7 @@ def _add_learn_scales(sub) -> None:
                                  "name / path (quantized here with RTN first)")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--teacher", help="the full-precision model (default: the checkpoint's source model)")
-    p.add_argument("--mode", default="tied", choices=lsq_modes())
+    p.add_argument("--mode", default="tied", choices=LSQ_MODES)
     p.add_argument("--train", default="scales", choices=("scales", "all"), help="scales only, or weights too")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr-scales", type=float, default=1e-4)
@@ -212,12 +216,6 @@ def _add_learn_scales(sub) -> None:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--threads", type=int)
     p.set_defaults(func=_cmd_learn_scales)
-
-
-def lsq_modes():
-    from .lsq import LSQ_MODES
-
-    return LSQ_MODES
 
 
 def _cmd_demo(args) -> int:

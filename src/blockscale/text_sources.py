@@ -113,6 +113,8 @@ def calibration_batches(tokenizer, source: str, n_samples: int, seq_len: int, se
 
 def evaluation_tokens(tokenizer, source: str, bos_at_start: bool = False, max_tokens: Optional[int] = None) -> torch.Tensor:
     """The whole of ``source`` as one token stream (optionally BOS first), cut to ``max_tokens``."""
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens={max_tokens}: need at least 2 tokens (or None for the whole text)")
     ids = tokenizer.encode(load_text(source))
     if bos_at_start:
         if tokenizer.bos_id is None:
