@@ -89,8 +89,11 @@ def _cmd_quantize(args) -> int:
                            args.max_eval_tokens, progress=True)
         meta["perplexity"] = record_dict(rec)
         print(f"perplexity {rec.ppl:.4f} (loss {rec.loss:.4f}, {rec.tokens_evaluated} tokens of {rec.source})")
+    # config.json (read by serving engines) gets a summary; the per-layer report goes to ptq_report.json
+    summary = {"model": args.model, "method": cfg.label, "config": report.config, "seconds": report.seconds,
+               "calibration_tokens": report.calibration_tokens, "perplexity": meta.get("perplexity")}
     path = export_checkpoint(lm.model, out, args.format, tokenizer=lm.tokenizer.hf if lm.tokenizer else None,
-                             max_shard_size=args.max_shard_size, metadata=meta, overwrite=args.overwrite)
+                             max_shard_size=args.max_shard_size, metadata=summary, overwrite=args.overwrite)
     (Path(path) / "ptq_report.json").write_text(json.dumps(meta, indent=2, default=str))
     n_q = len(report.linears)
     print(f"quantized {n_q} linear layers ({cfg.label}) in {report.seconds:.1f} s; kept in high precision: "
@@ -175,7 +178,9 @@ def _cmd_learn_scales(args) -> int:
     ppl("after")
     report["perplexity"] = evals
     lsq.freeze(student_lm.model)
-    meta = {"model": source_model(path) if path.is_dir() else args.model, "scale_learning": report}
+    meta = {"model": source_model(path) if path.is_dir() else args.model,  # a summary; details: lsq_report.json
+            "scale_learning": {"mode": args.mode, "train": args.train, "steps": args.steps,
+                               "perplexity": evals or None}}
     tok = teacher_lm.tokenizer.hf if teacher_lm.tokenizer else None
     dest = export_checkpoint(student_lm.model, out, args.format, tokenizer=tok, metadata=meta, overwrite=args.overwrite)
     (Path(dest) / "lsq_report.json").write_text(json.dumps(report, indent=2, default=str))
