@@ -1,8 +1,15 @@
-"""Quantization-aware distillation of learnable NVFP4 scales (blockscale.lsq.distill)."""
+"""Quantization-aware distillation of learnable NVFP4 scales (blockscale.lsq.distill).
+
+Run as a script, this file is the torchrun worker of test_distill_under_torchrun_matches_single_process.
+"""
 from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +20,8 @@ from blockscale.ptq import PTQConfig, quantize_model
 
 transformers = pytest.importorskip("transformers")
 from tiny_models import tiny_hf_llama, token_ids  # noqa: E402
-pytestmark = pytest.mark.usefixtures("one_thread")
+if __name__ != "__main__":
+    pytestmark = pytest.mark.usefixtures("one_thread")
 tiny_llama, ids = tiny_hf_llama, token_ids
 
 
@@ -165,3 +173,109 @@ def test_learn_scales_cli_on_stories260k(tmp_path, capsys):
     assert cli.main(["learn-scales", str(ptq), "--out", str(tmp_path / "learned2"), "--steps", "2", "--n-samples", "8",
                      "--seq-len", "64"]) == 0
     assert (tmp_path / "learned2" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("mode", ["tied", "dual"])
+def test_w4a4_gradients_reach_every_amax(mode):
+    """W4A4: the input quantizer passes gradients straight through, so every Linear's amaxes get a
+    gradient (a plain fake_quantize would stop it at the next quantized Linear's input); the forward
+    stays the PTQ model's bit for bit."""
+    teacher = tiny_llama()
+    ptq = copy.deepcopy(teacher)
+    quantize_model(ptq, PTQConfig(activations="w4a4"), calibration=ids(8, 32, seed=7), progress=False)
+    student = copy.deepcopy(ptq)
+    lsq.enable(student, mode=mode, weights=teacher)
+    x = ids(2, 24, seed=8)
+    with torch.no_grad():
+        assert torch.equal(student(x).logits, ptq(x).logits)
+    for p in lsq.scale_parameters(student):
+        p.requires_grad_(True)
+    distill_loss(student(x).logits, teacher(x).logits, x)[0].backward()
+    for name, p in student.named_parameters():
+        if name.rpartition(".")[2] in ("amax", "amax_pre", "amax_post"):
+            assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
+
+
+def test_steps_per_scale_step_reports_the_median_amax(pair):
+    _, student = make_student(pair)
+    amax = torch.cat([p.detach().flatten() for p in lsq.scale_parameters(student)])
+    med, steps = lsq.steps_per_scale_step(student, 1e-4)
+    assert med == float(amax.median()) and steps == pytest.approx(med / 16 / 1e-4)
+    with pytest.raises(ValueError, match="no LSQ amax"):
+        lsq.steps_per_scale_step(pair[1], 1e-4)
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+TORCHRUN_CFG = dict(train="all", steps=3, lr_scales=1e-3, lr_weights=1e-4, grad_accum=2, seq_len=24, log_every=1,
+                    eval_every=3, seed=5)
+
+
+def _torchrun_student():
+    teacher = tiny_llama()
+    student = copy.deepcopy(teacher)
+    quantize_model(student, PTQConfig(activations="w4a4"), calibration=ids(8, 32, seed=7), progress=False)
+    lsq.enable(student, mode="dual", weights=teacher)
+    return teacher, student
+
+
+def _torchrun_worker(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    teacher, student = _torchrun_student()
+    distill(student, teacher, ids(16, 32, seed=6), DistillConfig(batch_size=2, out_dir=out_dir, **TORCHRUN_CFG),
+            eval_tokens=ids(4, 24, seed=9), progress=False)
+
+
+def _torchrun(args, cwd):
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo / "tests"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"torchrun failed: {' '.join(cmd)}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_distill_under_torchrun_matches_single_process(tmp_path):
+    """2 gloo ranks x batch 2 (DDP over the trainable amaxes and latent weights of a W4A4 dual model)
+    == one process x batch 4: the same rows (stateless sampler), gradients averaged over ranks."""
+    _torchrun([str(Path(__file__).resolve()), str(tmp_path / "ddp")], tmp_path)
+    ddp = load_distill_checkpoint(tmp_path / "ddp" / "latest.pt")
+    assert ddp["step"] == 3 and ddp["world_size"] == 2
+
+    teacher, single = _torchrun_student()
+    res = distill(single, teacher, ids(16, 32, seed=6), DistillConfig(batch_size=4, out_dir=str(tmp_path / "one"),
+                                                                      **TORCHRUN_CFG),
+                  eval_tokens=ids(4, 24, seed=9), progress=False)
+    ref = {n: p.detach() for n, p in single.named_parameters() if p.requires_grad}
+    assert set(ddp["trainable"]) == set(ref) and any(n.endswith("amax_pre") for n in ref)
+    for n, v in ddp["trainable"].items():
+        torch.testing.assert_close(v, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+    rows = [json.loads(line) for line in open(tmp_path / "ddp" / "metrics.jsonl")]
+    one = [json.loads(line) for line in open(res["metrics_path"])]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert rows[-1]["eval_loss"] == pytest.approx(one[-1]["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+def test_learn_scales_cli_under_torchrun(tmp_path):
+    """`torchrun -m blockscale.cli learn-scales`: both ranks train, rank 0 alone evaluates and exports."""
+    import blockscale as bs
+
+    out = tmp_path / "learned"
+    proc = _torchrun(["-m", "blockscale.cli", "learn-scales", "stories260k", "--skip-indivisible", "--steps", "3",
+                      "--n-samples", "8", "--seq-len", "64", "--batch-size", "2", "--lr-scales", "1e-3",
+                      "--eval", "tinystories#0:0.01", "--out", str(out)], tmp_path)
+    assert proc.stdout.count("wrote compressed-tensors checkpoint") == 1
+    rep = json.loads((out / "lsq_report.json").read_text())
+    assert rep["distill"]["steps"] == 3 and set(rep["perplexity"]) == {"before", "after"}
+    ck = load_distill_checkpoint(out.parent / "learned.train" / "latest.pt")
+    assert ck["world_size"] == 2 and ck["step"] == 3
+    model = bs.load(out)
+    assert sum(1 for m in model.modules() if type(m).__name__ == "NVFP4Linear") > 0
+
+
+if __name__ == "__main__":
+    _torchrun_worker(sys.argv[1])

