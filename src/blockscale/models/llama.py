@@ -12,9 +12,19 @@ name, so a recipe can later swap Linear modules by name:
     output                              nn.Linear [vocab, dim] (weight tied to tok_embeddings if asked)
 
 These are the names llama2.c uses, so its checkpoints map one to one (see ``stories260k.py``).
+
+With ``LlamaConfig.moe`` set, the blocks that use it hold a ``blockscale.nn.MoE`` as their
+``feed_forward`` instead:
+
+    layers.{i}.feed_forward.router                      Router, weight [n_experts, dim] (never quantized)
+    layers.{i}.feed_forward.experts.w1 / w3 / w2        stacked [n_experts, d_ff, dim] / [n_experts, dim, d_ff]
+    layers.{i}.feed_forward.shared_expert.w1 / w2 / w3  nn.Linear (only with MoEConfig.shared_expert)
+
+and the training loss adds their load-balancing losses (see ``Llama.forward``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -22,6 +32,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..nn.moe import MoE, MoEConfig
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,9 @@ class LlamaConfig:
     rope_interleaved: True rotates adjacent pairs (x0,x1),(x2,x3),... (llama2.c, Meta's original
       code); False rotates the halves (x_i, x_{i+d/2}) (Hugging Face). The two are the same model up
       to a permutation of the rows of wq and wk within each head.
+    moe: None (dense SwiGLU everywhere) or a MoEConfig (a dict is converted); its d_ff=0 means
+      hidden_dim. moe_every: block i uses MoE when i % moe_every == moe_every - 1 (1: every block,
+      2: every second block starting with block 1).
     """
 
     dim: int = 256
@@ -45,6 +60,8 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_interleaved: bool = True
     tie_embeddings: bool = True
+    moe: Optional[MoEConfig] = None
+    moe_every: int = 1
 
     def __post_init__(self):
         # frozen dataclass: fill the derived defaults through object.__setattr__
@@ -64,10 +81,23 @@ class LlamaConfig:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"LlamaConfig.moe={self.moe!r}: expected None or a MoEConfig")
+        if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int) or self.moe_every <= 0:
+            raise ValueError(f"LlamaConfig.moe_every={self.moe_every!r}: expected a positive int")
+        if self.moe is not None and self.moe_every > self.n_layers:
+            raise ValueError(f"LlamaConfig.moe_every={self.moe_every} > n_layers={self.n_layers}: "
+                             "no block would use MoE")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def uses_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` has an MoE feed-forward."""
+        return self.moe is not None and layer % self.moe_every == self.moe_every - 1
 
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -81,6 +111,10 @@ PRESETS: dict[str, LlamaConfig] = {
     "stories260k": LlamaConfig(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=4,
                                max_seq_len=512),
 }
+# MoE variants: every block's FFN becomes 8 experts of the dense FFN's size, top-2 routing
+# ("small-moe": ~27M parameters, ~2x the dense FFN compute per token)
+PRESETS["tiny-moe"] = dataclasses.replace(PRESETS["tiny"], moe=MoEConfig(n_experts=8, top_k=2))
+PRESETS["small-moe"] = dataclasses.replace(PRESETS["small"], moe=MoEConfig(n_experts=8, top_k=2))
 
 
 class RMSNorm(nn.Module):
@@ -160,14 +194,16 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+    """Pre-norm residual block: h = x + attn(norm(x)); out = h + ffn(norm(h)).
 
-    def __init__(self, cfg: LlamaConfig):
+    ffn: SwiGLU FeedForward, or MoE when ``cfg.uses_moe(layer_id)``."""
+
+    def __init__(self, cfg: LlamaConfig, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg.dim, cfg.hidden_dim, cfg.moe) if cfg.uses_moe(layer_id) else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -181,7 +217,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -194,17 +230,19 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:
-        """Normal(0, 0.02) for embeddings and projections; the projections that write into the
-        residual stream (wo, w2) get std 0.02/sqrt(2*n_layers) so the stream's variance does not
-        grow with depth (GPT-2). Norm weights = 1. ``seed`` makes it reproducible without touching
-        the global RNG; None draws from the global RNG."""
+        """Normal(0, 0.02) for embeddings and projections (MoE routers and stacked experts too); the
+        projections that write into the residual stream (wo, w2, experts' w2) get std
+        0.02/sqrt(2*n_layers) so the stream's variance does not grow with depth (GPT-2). Norm
+        weights = 1. ``seed`` makes it reproducible without touching the global RNG; None draws
+        from the global RNG."""
         gen = None if seed is None else torch.Generator().manual_seed(seed)
         std = 0.02
         for name, p in self.named_parameters():
             if p.dim() == 1:  # RMSNorm gains
                 p.fill_(1.0)
                 continue
-            s = std / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+            residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+            s = std / math.sqrt(2 * self.config.n_layers) if residual else std
             # draw on CPU in fp32 so a seed gives the same weights on every device and dtype
             p.copy_(torch.randn(p.shape, generator=gen) * s)
 
@@ -216,7 +254,11 @@ class Llama(nn.Module):
         return n
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
-        """idx, targets: long [B, T] with T <= max_seq_len. loss = mean cross-entropy over targets != -1."""
+        """idx, targets: long [B, T] with T <= max_seq_len. loss = mean cross-entropy over targets != -1.
+
+        With MoE blocks, in training mode the loss also includes the sum of their load-balancing
+        losses (``MoE.aux_loss``); in eval mode it is the plain cross-entropy, so validation losses
+        and perplexities compare with dense models."""
         B, T = idx.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
@@ -228,6 +270,10 @@ class Llama(nn.Module):
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        if self.training and self.config.moe is not None:
+            # MoE or its expert-parallel form: anything that left an aux_loss
+            loss = loss + sum(layer.feed_forward.aux_loss for layer in self.layers
+                              if getattr(layer.feed_forward, "aux_loss", None) is not None)
         return logits, loss
 
     @torch.no_grad()

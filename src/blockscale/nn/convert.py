@@ -8,6 +8,10 @@ Rules, in order, for each ``nn.Linear`` (by qualified module name):
 Transformer blocks are the children of the model's largest ``nn.ModuleList`` (``layers`` in Llama
 models, ``h`` in GPT-2, ``layer`` in BERT). Parameters are shared, not copied, so optimizers and
 ``state_dict`` keys are unchanged.
+
+MoE experts (``GroupedExperts``, stacked weights, not nn.Linear) follow the same rules by module
+name and get the linear recipe in place (``experts.recipe``). MoE routers are not nn.Linear
+layers, so they always stay in high precision (the default ``exclude`` names them too).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from torch import nn
 
 from ..recipes import Recipe, get_recipe
 from .linear import QuantizedLinear
+from .moe import GroupedExperts
 
 
 @dataclass
@@ -83,14 +88,14 @@ def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> 
     first_last = n_blocks - n_last
     report = ConversionReport(recipe=recipe.name, blocks=blocks, n_blocks=n_blocks, n_last_blocks=n_last)
     patterns = [re.compile(p) for p in recipe.exclude]
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, (nn.Linear, GroupedExperts))]
     for name, mod in targets:
         if any(p.search(name) for p in patterns):
             report.excluded.append(name)
             continue
         idx = _block_index(name, blocks)
         use = last if (last is not None and idx is not None and idx >= first_last) else recipe
-        if isinstance(mod, QuantizedLinear):
+        if isinstance(mod, (QuantizedLinear, GroupedExperts)):
             mod.recipe, mod.generator = use.linear, generator
         else:
             _set_child(model, name, QuantizedLinear.from_linear(mod, use.linear, generator))
@@ -101,8 +106,12 @@ def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> 
 
 
 def unconvert(model: nn.Module) -> int:
-    """Replace every QuantizedLinear in ``model`` by a plain nn.Linear (shared parameters); returns the count."""
+    """Replace every QuantizedLinear in ``model`` by a plain nn.Linear (shared parameters) and clear
+    the recipe of every quantized GroupedExperts; returns the count of modules changed."""
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, QuantizedLinear)]
     for name, mod in targets:
         _set_child(model, name, mod.to_linear())
-    return len(targets)
+    experts = [mod for mod in model.modules() if isinstance(mod, GroupedExperts) and mod.recipe is not None]
+    for mod in experts:
+        mod.recipe, mod.generator = None, None
+    return len(targets) + len(experts)

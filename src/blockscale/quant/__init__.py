@@ -5,9 +5,11 @@ from .hadamard import TE_SIGNS_16, hadamard, hadamard_matrix, inverse_hadamard, 
 from .specs import MX, NVFP4, S2F6
 from .swizzle import swizzle_scales, unswizzle_scales
 from .tensor import QuantizedTensor
+from .wire import WIRE_PAYLOADS, decode_rows, emulate, encode_rows, row_bytes, wire_spec
 
 __all__ = [
     "MX", "NVFP4", "S2F6", "QuantizedTensor", "TE_SIGNS_16", "dequantize", "fake_quantize", "get_backend",
     "hadamard", "hadamard_matrix", "inverse_hadamard", "quantize", "random_signs", "set_backend",
     "swizzle_scales", "unswizzle_scales", "use_backend",
+    "WIRE_PAYLOADS", "decode_rows", "emulate", "encode_rows", "row_bytes", "wire_spec",
 ]
