@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.blockscale-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,triton]"
 	touch $(STAMP)
 
 venv: $(STAMP)

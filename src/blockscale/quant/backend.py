@@ -5,9 +5,13 @@ compiles the same function with TorchInductor (which keeps IEEE semantics: no FM
 unsafe math), and the tests check both give identical bits. If compilation fails (no C++
 compiler, unsupported platform) we warn once and run the reference from then on.
 
-Backend choice: ``set_backend("auto" | "reference" | "compiled")`` or the environment variable
-``BLOCKSCALE_BACKEND``. "auto" compiles for tensors of at least ``AUTO_MIN_NUMEL`` elements,
-where the one-off compile time pays for itself.
+Backend choice: ``set_backend("auto" | "reference" | "compiled" | "triton")`` or the environment
+variable ``BLOCKSCALE_BACKEND``. "auto" compiles for tensors of at least ``AUTO_MIN_NUMEL`` elements,
+where the one-off compile time pays for itself, and sends CUDA tensors to the Triton kernels
+(``quant/triton_kernels``, bit-identical) where one exists for the spec and triton is installed;
+``BLOCKSCALE_TRITON=0`` turns that off. "triton" forces the Triton kernels wherever they exist (CPU
+tensors too when Triton's interpreter is on, ``TRITON_INTERPRET=1``: that is how they are tested);
+"reference" and "compiled" never use Triton. Specs without a Triton kernel take the auto path.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from typing import Callable
 
 import torch
 
-BACKENDS = ("auto", "reference", "compiled")
+BACKENDS = ("auto", "reference", "compiled", "triton")
 AUTO_MIN_NUMEL = 1 << 20
 
 _state = {"backend": os.environ.get("BLOCKSCALE_BACKEND", "auto"), "compile_failed": False}
@@ -28,7 +32,7 @@ if _state["backend"] not in BACKENDS:
 
 
 def set_backend(name: str) -> None:
-    """Select "auto", "reference" (eager, chunked) or "compiled" (torch.compile) kernels."""
+    """Select "auto", "reference" (eager, chunked), "compiled" (torch.compile) or "triton" kernels."""
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} is not supported; allowed values: {', '.join(map(repr, BACKENDS))}")
     _state["backend"] = name
@@ -54,7 +58,38 @@ def want_compiled(numel: int) -> bool:
     if _state["compile_failed"]:
         return False
     b = _state["backend"]
-    return b == "compiled" or (b == "auto" and numel >= AUTO_MIN_NUMEL)
+    return b == "compiled" or (b in ("auto", "triton") and numel >= AUTO_MIN_NUMEL)
+
+
+def triton_available() -> bool:
+    """Whether ``triton`` imports (checked once, lazily: importing triton takes a while)."""
+    if "triton" not in _state:
+        from .triton_kernels import TRITON_AVAILABLE
+
+        _state["triton"] = TRITON_AVAILABLE
+    return _state["triton"]
+
+
+def want_triton(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel should run for tensor ``x`` (the caller checks the spec is covered).
+
+    "auto": CUDA tensors, unless BLOCKSCALE_TRITON=0. "triton": CUDA tensors, and CPU tensors when
+    Triton's interpreter is on (TRITON_INTERPRET=1). Never without triton installed ("triton" then
+    warns once and runs the torch kernels).
+    """
+    b = _state["backend"]
+    if b == "triton":
+        if not triton_available():
+            if not _state.get("triton_warned"):
+                _state["triton_warned"] = True
+                warnings.warn("blockscale: backend 'triton' selected but triton is not installed "
+                              "(pip install 'blockscale[triton]'); using the torch kernels", RuntimeWarning,
+                              stacklevel=3)
+            return False
+        return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if b == "auto" and x.is_cuda and os.environ.get("BLOCKSCALE_TRITON", "1") != "0":
+        return triton_available()
+    return False
 
 
 def _raise_recompile_limit(at_least: int = 64) -> None:

@@ -46,6 +46,20 @@ def draw_random(shape, rounding: str, sr_mode: str, generator, device) -> torch.
     return torch.rand(shape, dtype=torch.float32, generator=generator, device=device)
 
 
+def random_from_bits(bits: torch.Tensor, shape, sr_mode: str) -> torch.Tensor:
+    """Stochastic-rounding randoms from externally supplied uint32 draws (any int32/int64/uint32
+    tensor of ``prod(shape)`` raw 32-bit patterns, one per element), e.g. those of a GPU kernel's
+    Philox stream: "hardware" takes the top 8 bits, "exact" the top 24 bits as ``(bits >> 8) * 2**-24``.
+    """
+    b = bits.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+    if b.numel() != math.prod(shape):
+        raise ValueError(f"rand_bits has {b.numel()} values; expected {math.prod(shape)} (one per padded element)")
+    b = b.view(tuple(shape))
+    if sr_mode == "hardware":
+        return (b >> 24).to(torch.uint8)
+    return (b >> 8).to(torch.float32) * 2.0**-24  # exact: a 24-bit integer times a power of two
+
+
 def abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
     """max |x| (FP32) over all of ``x`` or over ``dim``; 0 for an empty reduction. NaN propagates.
 

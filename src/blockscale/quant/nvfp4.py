@@ -22,9 +22,9 @@ import torch
 
 from ..formats.e2m1 import e2m1_index, e2m1_lut, pack_nibbles, unpack_nibbles
 from ..formats.minifloat import E2M1, E4M3, round_magnitude, sign_bit
-from .backend import fast_kernel, want_compiled
+from .backend import fast_kernel, want_compiled, want_triton
 from .block_error import block_error_terms, tile_error
-from .blocking import abs_max, draw_random, pad_dim, row_chunks
+from .blocking import abs_max, draw_random, pad_dim, random_from_bits, row_chunks
 from .specs import NVFP4
 from .tensor import QuantizedTensor
 
@@ -205,8 +205,20 @@ def _given_outer(x3: torch.Tensor, spec: NVFP4, encode_scale: torch.Tensor):
     return torch.tensor(spec.outer_bound * 6.0, dtype=torch.float32, device=x3.device) / S, S, S.expand(B * M)
 
 
+def _triton_supports(spec: NVFP4) -> bool:
+    """Cases the Triton kernel covers: 1x16 blocks, scale rules "6", "4", "4over6" (any outer, error, rounding)."""
+    return not spec.block_2d and spec.scale_rule != "sweep"
+
+
+def _triton_seed(generator: torch.Generator | None, device: torch.device) -> int:
+    """A Philox seed for the Triton kernel, drawn from ``generator`` (or the device's default one)."""
+    dev = generator.device if generator is not None else device
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev).item())
+
+
 def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | None = None,
-                   outputs: str = "codes", encode_scale: torch.Tensor | None = None):
+                   outputs: str = "codes", encode_scale: torch.Tensor | None = None,
+                   rand_bits: torch.Tensor | None = None):
     """Quantize finite ``x`` (FP32 / BF16 / FP16, any shape; kernels compute in FP32) to NVFP4.
     Use ``blockscale.quantize`` for checked input.
 
@@ -215,6 +227,14 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
 
     outputs: "codes" -> QuantizedTensor; "values" -> the dequantized FP32 tensor only (fake
     quantization in one pass, nothing packed); "both" -> (QuantizedTensor, values).
+
+    rand_bits: stochastic rounding only: raw uint32 draws (int32/int64 bit patterns), one per
+    element of the padded [B, Mp, Kp] layout, used instead of drawing from ``generator`` (see
+    ``blocking.random_from_bits``; e.g. the Triton kernel's ``random_bits``). Forces the torch kernels.
+
+    CUDA tensors (and CPU tensors under backend "triton" with TRITON_INTERPRET=1) go to the Triton
+    kernel when ``backend.want_triton`` says so and the spec is supported (not 2D, not "sweep"):
+    same bits for "nearest"; stochastic rounding then draws from Philox seeded by ``generator``.
     """
     shape = x.shape
     K = shape[-1] if x.dim() else 1
@@ -230,6 +250,9 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
     else:
         amax_st, S_st, S_rows = _given_outer(x3, spec, encode_scale)
 
+    if rand_bits is None and _triton_supports(spec) and B * M * K and want_triton(x):
+        return _quantize_triton(x3, spec, S_rows, amax_st, S_st, shape, x.dtype, generator, outputs)
+
     xp = pad_dim(x3, -1, BLOCK)
     if spec.block_2d:
         xp = pad_dim(xp, -2, BLOCK)
@@ -239,7 +262,10 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
     R, nb = B * Mp, Kp // BLOCK
     xb = xp.reshape(R, nb, BLOCK)
     S3 = S_rows.reshape(R, 1, 1)
-    rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
+    if rand_bits is not None and spec.rounding == "stochastic":
+        rand = random_from_bits(rand_bits.to(x.device), (R, nb, BLOCK), spec.sr_mode)
+    else:
+        rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
 
     want_codes, want_values = outputs != "values", outputs != "codes"
     fast = want_compiled(R * Kp)
@@ -284,6 +310,27 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
     return (q, values) if want_values else q
 
 
+def _quantize_triton(x3, spec, S_rows, amax_st, S_st, shape, dtype, generator, outputs):
+    """``quantize_nvfp4`` through the Triton kernel (1x16 blocks): same outputs, same bits."""
+    from .triton_kernels.nvfp4_triton import quantize_nvfp4_2d
+
+    B, M, K = x3.shape
+    want_codes, want_values = outputs != "values", outputs != "codes"
+    seed = _triton_seed(generator, x3.device) if spec.rounding == "stochastic" else 0
+    codes, sbytes, values = quantize_nvfp4_2d(
+        x3.reshape(B * M, K), S_rows, spec.scale_rule, spec.error, spec.rounding, spec.sr_mode, seed, 0,
+        want_codes, want_values)
+    if want_values:
+        values = values[:, :K].reshape(shape)
+        if not want_codes:
+            return values
+    lead = tuple(shape[:-1]) if len(shape) else ()
+    q = QuantizedTensor(spec=spec, codes=codes.reshape(lead + (codes.shape[-1],)),
+                        scales=sbytes.view(torch.float8_e4m3fn).reshape(lead + (sbytes.shape[-1],)),
+                        shape=shape, dtype=dtype, outer_scale=S_st, amax=amax_st)
+    return (q, values) if want_values else q
+
+
 def dequantize_nvfp4(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x^ = (q * s) * (1/S) in FP32 (then cast to ``dtype``), shaped like the original tensor."""
     shape = q.shape
@@ -295,6 +342,11 @@ def dequantize_nvfp4(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> 
     lead = tuple(shape[:-1]) if len(shape) else ()
     inv_s = (1.0 / q.outer_scale).expand(lead + (1,) if lead else (1,)).reshape(R, 1)
     packed = q.codes.reshape(R, Kp // 2)
+    if want_triton(packed):
+        from .triton_kernels.nvfp4_triton import dequantize_nvfp4_2d
+
+        out = dequantize_nvfp4_2d(packed, q.scales.reshape(R, Kp // BLOCK), inv_s.reshape(R))
+        return out[:, :K].to(dtype).reshape(shape)
     scales = q.scales.reshape(R, Kp // BLOCK).to(torch.float32)
     if want_compiled(R * Kp):
         out = _dequantize_blocks_fast(packed, scales, inv_s, dtype)

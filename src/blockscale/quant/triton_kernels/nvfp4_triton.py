@@ -1,0 +1,304 @@
+"""NVFP4 (1x16 blocks along the last dim) quantize / dequantize as Triton kernels.
+
+Same FP32 operations, in the same order, as the reference in ``quant/nvfp4.py``:
+
+    inv_S = 1/S;  t = block_amax * (S * (1/6))
+    s     = e4m3_rne(min(t, 448))     rule "6"   (rule "4": e4m3_rne(min(1.5*t, 448)))
+    e     = min(1 / (s * inv_S), FLT_MAX)  (0 if s = 0)
+    q     = e2m1(clamp(x * e, -6, 6)),  x^ = (q * s) * inv_S
+    4over6: s4 replaces s6 only if its block error (``block_error``'s pairwise tree) is strictly lower.
+
+Why it is bit-exact:
+* E4M3 / E2M1 rounding is integer arithmetic on the FP32 bit pattern (``_round_magnitude``), never a
+  float8 cast (Triton's interpreter cast to float8e4nv is wrong, and GPUs differ);
+* divisions are ``div_rn`` (plain ``/`` on fp32 is an approximate ``div.full`` on NVIDIA);
+* kernels are launched with ``enable_fp_fusion=False``: a fused ``(q*s)*inv_S - x`` or ``d*d + e*e``
+  (FMA) would change the 4/6 decision on near-ties;
+* the block error tree is spelled out as ``v[i] + v[i + h]`` halvings.
+
+Stochastic rounding draws one uint32 per element from Philox: ``tl.randint(seed, (offset + i) mod 2**32)``
+with ``i`` the element's index in the K-padded [R, Kp] layout. "hardware" uses the top 8 bits,
+"exact" the top 24 bits as ``u = (bits >> 8) * 2**-24``; ``random_bits`` returns the same draws so the
+reference (``quantize_nvfp4(..., rand_bits=...)``) can consume them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 16
+BLOCKS_PER_PROGRAM = 64  # 1024 elements per program
+FLT_MAX = 3.4028234663852886e38
+
+RULES = {"6": 0, "4": 1, "4over6": 2}
+ERRORS = {"mse": 0, "mae": 1, "maxabs": 2}
+
+
+def rounding_id(rounding: str, sr_mode: str) -> int:
+    """0: RNE, 1: stochastic "hardware" (8 bits), 2: stochastic "exact" (24 bits)."""
+    if rounding == "nearest":
+        return 0
+    return 1 if sr_mode == "hardware" else 2
+
+
+@triton.jit
+def _pow2(k):
+    """2.0**k (FP32) for int32 k in [-126, 127], from the bit pattern."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_magnitude(a, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr,
+                     ROUND: tl.constexpr):
+    """Round finite FP32 ``a >= 0`` onto the minifloat grid (MBITS mantissa bits, smallest normal
+    2**EMIN), saturating at MAXV; integer version of ``formats.minifloat.round_magnitude``.
+
+    With significand ``sig`` (implicit bit included) and exponent ``e``, a = sig * 2**(e-23); the
+    grid quantum is 2**qe with qe = max(e, EMIN) - MBITS, so t = a / 2**qe = sig / 2**n with
+    n = qe - e + 23 >= 20: floor(t) = sig >> n and frac(t) = rem / 2**n, exactly.
+    ``rbits`` (int32 bit pattern of the uint32 draw) is used only when ROUND > 0.
+    """
+    b = a.to(tl.int32, bitcast=True)
+    ef = (b >> 23) & 0xFF
+    sig = tl.where(ef > 0, (b & 0x7FFFFF) | 0x800000, b & 0x7FFFFF)
+    e = tl.maximum(ef, 1) - 127
+    qe = tl.maximum(e, EMIN) - MBITS
+    n = qe - e + 23
+    sh = tl.minimum(n, 31)  # sig < 2**24, so shifts of 24..31 already give 0
+    lo = sig >> sh
+    rem = sig - (lo << sh)
+    if ROUND == 0:  # half to even; n >= 26 means rem < half
+        half = 1 << (sh - 1)
+        up = (rem > half) | ((rem == half) & ((lo & 1) == 1))
+    elif ROUND == 1:  # PTX cvt.rs: top 8 discarded bits + 8 random bits carry into the kept bits
+        f8 = rem >> tl.minimum(n - 8, 31)
+        up = (f8 + ((rbits >> 24) & 0xFF)) >= 256
+    else:  # up iff u < frac with u = k24 * 2**-24, compared exactly in int64
+        k24 = ((rbits >> 8) & 0xFFFFFF).to(tl.int64)
+        r64 = rem.to(tl.int64)
+        big = (k24 << tl.maximum(tl.minimum(n, 47) - 24, 0)) < r64
+        small = k24 < (r64 << tl.maximum(24 - n, 0))
+        tiny = (k24 == 0) & (r64 > 0)  # frac < 2**-24: only u = 0 is below it
+        up = tl.where(n >= 48, tiny, tl.where(n >= 24, big, small))
+    r = lo + up.to(tl.int32)
+    return tl.minimum(r.to(tl.float32) * _pow2(qe), MAXV)
+
+
+@triton.jit
+def _e4m3_rne(t):
+    """e4m3_rne(min(t, 448)) for t >= 0 (FP32 value on the E4M3 grid)."""
+    return _round_magnitude(tl.minimum(t, 448.0), 0, 3, -6, 448.0, 0)
+
+
+@triton.jit
+def _e4m3_byte(s):
+    """uint8 bit pattern (as int32) of an FP32 value ``s >= 0`` already on the E4M3 grid."""
+    b = s.to(tl.int32, bitcast=True)
+    normal = ((((b >> 23) & 0xFF) - 120) << 3) | ((b >> 20) & 7)
+    return tl.where(s >= 0.015625, normal, (s * 512.0).to(tl.int32))  # subnormal: s / 2**-9
+
+
+@triton.jit
+def _e2m1_magnitude(x, s, inv_s, rbits, ROUND: tl.constexpr):
+    """Rounded |E2M1 value| of each element for block scale ``s`` ([BB, 1])."""
+    den = s * inv_s
+    # 1/0 = inf -> FLT_MAX, written out so the interpreter (numpy) does not warn
+    e = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(den == 0.0, 1.0, den))
+    e = tl.where(den == 0.0, FLT_MAX, tl.minimum(e, FLT_MAX))
+    e = tl.where(s == 0.0, 0.0, e)
+    xe = tl.minimum(tl.maximum(x * e, -6.0), 6.0)
+    return _round_magnitude(tl.abs(xe), rbits, 1, 0, 6.0, ROUND)
+
+
+@triton.jit
+def _halve(v, BB: tl.constexpr, H: tl.constexpr):
+    """[BB, 2H] -> [BB, H]: v[:, i] + v[:, i + H] (one level of ``block_error.tree_sum``)."""
+    a, b = tl.split(tl.permute(tl.reshape(v, [BB, 2, H]), [0, 2, 1]))
+    return a + b
+
+
+@triton.jit
+def _block_error(d, BB: tl.constexpr, ERR: tl.constexpr):
+    """Error of each block [BB, 16] -> [BB, 1]: sum d^2 / sum |d| (pairwise tree) or max |d|."""
+    if ERR == 2:
+        return tl.reshape(tl.max(tl.abs(d), axis=1), [BB, 1])
+    if ERR == 0:
+        v = d * d
+    else:
+        v = tl.abs(d)
+    v = _halve(v, BB, 8)
+    v = _halve(v, BB, 4)
+    v = _halve(v, BB, 2)
+    return _halve(v, BB, 1)
+
+
+@triton.jit(do_not_specialize=["seed", "offset"])  # a fresh seed per call must not recompile
+def _nvfp4_quantize_kernel(
+    x_ptr, s_ptr, codes_ptr, scales_ptr, values_ptr,
+    n_blocks, nb, K, stride_row, s_stride, seed, offset,
+    RULE: tl.constexpr, ERR: tl.constexpr, ROUND: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, BB: tl.constexpr,
+):
+    """One program = BB blocks of 16 of the flattened [R, nb] block grid.
+
+    x: [R, K] (row stride ``stride_row``), read as zeros past K (the reference zero-pads K to
+    Kp = 16*nb). S: FP32 outer encode scale at ``s_ptr + row * s_stride``. Writes packed codes
+    [R, Kp/2] uint8, E4M3 scale bytes [R, nb] uint8 and, if asked, x^ [R, Kp] FP32.
+    """
+    pid = tl.program_id(0)
+    bid = pid.to(tl.int64) * BB + tl.arange(0, BB).to(tl.int64)  # [BB]
+    bmask = bid < n_blocks
+    row = bid // nb
+    col = (bid % nb) * BLOCK  # first column of the block
+    i16 = tl.arange(0, BLOCK)
+    cols = col[:, None] + i16[None, :]
+    m = bmask[:, None] & (cols < K)
+    x = tl.load(x_ptr + row[:, None] * stride_row + cols, mask=m, other=0.0).to(tl.float32)
+    S = tl.reshape(tl.load(s_ptr + row * s_stride, mask=bmask, other=1.0), [BB, 1])
+    inv_s = tl.math.div_rn(tl.full(S.shape, 1.0, tl.float32), S)
+    neg = x.to(tl.int32, bitcast=True) < 0  # sign bit of the input, -0.0 included
+
+    if ROUND > 0:
+        ctr = (offset + bid[:, None] * BLOCK + i16[None, :]).to(tl.uint32)  # wraps mod 2**32
+        rbits = tl.randint(seed, ctr).to(tl.int32, bitcast=True)
+    else:
+        rbits = 0
+
+    amax = tl.reshape(tl.max(tl.abs(x), axis=1), [BB, 1])
+    t = amax * (S * (1.0 / 6.0))
+    if RULE == 0:
+        s = _e4m3_rne(t)
+    elif RULE == 1:
+        s = _e4m3_rne(t * 1.5)
+    else:
+        s6 = _e4m3_rne(t)
+        s4 = _e4m3_rne(t * 1.5)
+        v6 = _e2m1_magnitude(x, s6, inv_s, rbits, ROUND)
+        v4 = _e2m1_magnitude(x, s4, inv_s, rbits, ROUND)
+        d6 = (tl.where(neg, -v6, v6) * s6) * inv_s - x
+        d4 = (tl.where(neg, -v4, v4) * s4) * inv_s - x
+        s = tl.where(_block_error(d4, BB, ERR) < _block_error(d6, BB, ERR), s4, s6)  # ties keep 6
+
+    v = _e2m1_magnitude(x, s, inv_s, rbits, ROUND)
+    tl.store(scales_ptr + bid, tl.reshape(_e4m3_byte(s), [BB]).to(tl.uint8), mask=bmask)
+    if WRITE_CODES:
+        idx = tl.where(v < 2.0, v * 2.0, tl.where(v < 4.0, v + 2.0, v * 0.5 + 4.0)).to(tl.int32)
+        code = idx | (neg.to(tl.int32) << 3)
+        lo, hi = tl.split(tl.reshape(code, [BB, BLOCK // 2, 2]))  # element 2i low nibble, 2i+1 high
+        byte = (lo | (hi << 4)).to(tl.uint8)
+        i8 = tl.arange(0, BLOCK // 2)
+        tl.store(codes_ptr + bid[:, None] * (BLOCK // 2) + i8[None, :], byte, mask=bmask[:, None])
+    if WRITE_VALUES:
+        xhat = (tl.where(neg, -v, v) * s) * inv_s
+        tl.store(values_ptr + bid[:, None] * BLOCK + i16[None, :], xhat, mask=bmask[:, None])
+
+
+@triton.jit
+def _nvfp4_dequantize_kernel(codes_ptr, scales_ptr, inv_s_ptr, out_ptr, n_blocks, nb, inv_s_stride,
+                             BB: tl.constexpr):
+    """x^ = (q * s) * inv_S for packed codes [R, Kp/2], E4M3 scale bytes [R, nb] -> FP32 [R, Kp]."""
+    pid = tl.program_id(0)
+    bid = pid.to(tl.int64) * BB + tl.arange(0, BB).to(tl.int64)
+    bmask = bid < n_blocks
+    row = bid // nb
+    i16 = tl.arange(0, BLOCK)
+    # byte j of the block holds elements 2j (low nibble) and 2j+1 (high nibble)
+    byte = tl.load(codes_ptr + bid[:, None] * (BLOCK // 2) + (i16 // 2)[None, :], mask=bmask[:, None], other=0)
+    code = (byte.to(tl.int32) >> ((i16 % 2) * 4)[None, :]) & 0xF
+    idx = code & 7
+    mag = tl.where(idx < 4, idx.to(tl.float32) * 0.5,
+                   tl.where(idx < 6, (idx - 2).to(tl.float32), tl.where(idx == 6, 4.0, 6.0)))
+    q = tl.where(code >= 8, -mag, mag)
+    sb = tl.load(scales_ptr + bid, mask=bmask, other=0).to(tl.int32)
+    ex = (sb >> 3) & 0xF
+    normal = (((ex + 120) << 23) | ((sb & 7) << 20)).to(tl.float32, bitcast=True)
+    s = tl.where(ex == 0, (sb & 7).to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
+    s = tl.where((sb & 0x7F) == 0x7F, float("nan"), s)
+    inv_s = tl.load(inv_s_ptr + row * inv_s_stride, mask=bmask, other=1.0)
+    out = (q * tl.reshape(s, [BB, 1])) * tl.reshape(inv_s, [BB, 1])
+    tl.store(out_ptr + bid[:, None] * BLOCK + i16[None, :], out, mask=bmask[:, None])
+
+
+@triton.jit(do_not_specialize=["seed", "offset"])
+def _random_bits_kernel(out_ptr, n, seed, offset, B: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B).to(tl.int64)
+    r = tl.randint(seed, (offset + i).to(tl.uint32))
+    tl.store(out_ptr + i, r.to(tl.int32, bitcast=True), mask=i < n)
+
+
+def _per_row(v: torch.Tensor, rows: int, name: str):
+    """FP32 per-row vector and its stride: one scalar (stride 0) or one value per row."""
+    v = v.detach().to(torch.float32).reshape(-1)
+    if v.numel() not in (1, rows):
+        raise ValueError(f"{name} must hold 1 or {rows} values (one per row), got {v.numel()}")
+    if v.numel() == 1 or v.stride(0) == 0:  # a scalar, possibly expanded to [R]: read it once
+        return v[:1].contiguous(), 0
+    return v.contiguous(), 1
+
+
+def quantize_nvfp4_2d(x: torch.Tensor, S: torch.Tensor, scale_rule: str = "6", error: str = "mse",
+                      rounding: str = "nearest", sr_mode: str = "hardware", seed: int = 0, offset: int = 0,
+                      want_codes: bool = True, want_values: bool = False):
+    """NVFP4-quantize 2-D ``x`` [R, K] (FP32 / BF16 / FP16, unit stride along K) with 1x16 blocks.
+
+    S: FP32 outer encode scale(s), computed by the caller as the reference does (``outer_scale``):
+    one scalar, or [R] (one per row). Returns ``(codes, scale_bytes, values)``: packed uint8
+    [R, Kp/2] (None unless want_codes), E4M3 bit patterns uint8 [R, Kp/16] (``.view(torch.float8_e4m3fn)``),
+    FP32 x^ [R, Kp] (None unless want_values); Kp = K rounded up to 16, the padding quantized as zeros.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_nvfp4_2d expects a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_nvfp4_2d: unsupported dtype {x.dtype}")
+    if scale_rule not in RULES or error not in ERRORS:
+        raise ValueError(f"Triton NVFP4 kernel supports scale_rule {list(RULES)} and error {list(ERRORS)}, "
+                         f"got {scale_rule!r}, {error!r}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    R, K = x.shape
+    nb = (K + BLOCK - 1) // BLOCK
+    Kp = nb * BLOCK
+    S, s_stride = _per_row(S.to(x.device), R, "S")
+    dev = x.device
+    scales = torch.empty(R, nb, dtype=torch.uint8, device=dev)
+    codes = torch.empty(R, Kp // 2, dtype=torch.uint8, device=dev) if want_codes else None
+    values = torch.empty(R, Kp, dtype=torch.float32, device=dev) if want_values else None
+    n_blocks = R * nb
+    if n_blocks:
+        grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
+        _nvfp4_quantize_kernel[grid](
+            x, S, scales if codes is None else codes, scales, scales if values is None else values,
+            n_blocks, nb, K, x.stride(0), s_stride, int(seed), int(offset),
+            RULE=RULES[scale_rule], ERR=ERRORS[error], ROUND=rounding_id(rounding, sr_mode),
+            WRITE_CODES=want_codes, WRITE_VALUES=want_values, BB=BLOCKS_PER_PROGRAM,
+            enable_fp_fusion=False,
+        )
+    return codes, scales, values
+
+
+def dequantize_nvfp4_2d(codes: torch.Tensor, scale_bytes: torch.Tensor, inv_s: torch.Tensor) -> torch.Tensor:
+    """FP32 x^ [R, Kp] = (q * s) * inv_S from packed codes [R, Kp/2] uint8, E4M3 scales [R, Kp/16]
+    (uint8 bit patterns or float8_e4m3fn) and inv_S = 1/S (one scalar or [R], computed by the caller)."""
+    if scale_bytes.dtype == torch.float8_e4m3fn:
+        scale_bytes = scale_bytes.view(torch.uint8)
+    R, half = codes.shape
+    nb = scale_bytes.shape[-1]
+    if half != nb * (BLOCK // 2) or scale_bytes.shape[0] != R:
+        raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scale_bytes.shape)} do not match")
+    inv_s, stride = _per_row(inv_s.to(codes.device), R, "inv_s")
+    out = torch.empty(R, nb * BLOCK, dtype=torch.float32, device=codes.device)
+    if R * nb:
+        grid = (triton.cdiv(R * nb, BLOCKS_PER_PROGRAM),)
+        _nvfp4_dequantize_kernel[grid](codes.contiguous(), scale_bytes.contiguous(), inv_s, out, R * nb, nb, stride,
+                                       BB=BLOCKS_PER_PROGRAM, enable_fp_fusion=False)
+    return out
+
+
+def random_bits(n: int, seed: int, offset: int = 0, device="cpu") -> torch.Tensor:
+    """The uint32 draws (as int32 bit patterns) the quantize kernel uses for elements 0..n-1 of the
+    K-padded [R, Kp] layout: ``tl.randint(seed, (offset + i) mod 2**32)``."""
+    out = torch.empty(n, dtype=torch.int32, device=device)
+    if n:
+        _random_bits_kernel[(triton.cdiv(n, 1024),)](out, n, int(seed), int(offset), B=1024)
+    return out
