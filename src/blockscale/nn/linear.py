@@ -29,6 +29,23 @@ def _rht_tokens(t: torch.Tensor, n: int, signs) -> torch.Tensor:
     return hadamard_gemm(t.contiguous(), n=n, signs=signs)
 
 
+def _fused_transposed(op: Operand, spec, generator) -> Operand | None:
+    """The operand ``spec``-quantized along the other dim of a saved 2-D NVFP4 operand, i.e.
+    ``prepare_operand(op.values().t().contiguous(), spec)``, from one fused Triton kernel
+    (``quant.requantize_transposed.nvfp4_to_mx_transposed``: dequantize + transpose + MX quantize, nothing
+    materialised); None where that kernel does not apply (CPU tensors, other formats): the caller
+    then takes the unfused path. Same bits for RNE; stochastic rounding draws from Philox seeded by
+    ``generator``, as every Triton kernel does."""
+    if op.q is None:
+        return None
+    from ..quant.requantize_transposed import fused_supported, nvfp4_to_mx_transposed
+
+    if not fused_supported(op.q, spec):
+        return None
+    q, v = nvfp4_to_mx_transposed(op.q, spec, generator, outputs="both")
+    return Operand(q=q, t=v)
+
+
 def _tokens_dim_ok(r: LinearRecipe) -> bool:
     """wgrad operands can be quantized along the token dim in place (MX, no Hadamard, emulated GEMM)."""
     return (not r.wgrad_hadamard and isinstance(r.wgrad_grad, MX) and isinstance(r.wgrad_input, MX)
@@ -69,8 +86,10 @@ class _QuantizedLinearFn(torch.autograd.Function):
             if r.reuse_fprop_weight:
                 dx = a.values() @ w_op.values()  # the forward's quantized W, transposed: no re-quantization
             else:
-                w_vals = w_op.values()
-                b = prepare_operand(w_vals.t().contiguous(), r.dgrad_weight, r.unquantized_dtype, g)
+                b = _fused_transposed(w_op, r.dgrad_weight, g)
+                if b is None:
+                    w_vals = w_op.values()
+                    b = prepare_operand(w_vals.t().contiguous(), r.dgrad_weight, r.unquantized_dtype, g)
                 dx = gemm(a, b)
             dx = dx.to(ctx.x_dtype).reshape(*dy.shape[:-1], -1)
         if ctx.needs_input_grad[1] and _tokens_dim_ok(r):
@@ -78,18 +97,25 @@ class _QuantizedLinearFn(torch.autograd.Function):
             # (the tokens) in place of transposing them first: the same blocks, values and random
             # draws, no transposed copies. dW = A^T B with A, B in their natural layout.
             a = prepare_operand(dy2.float(), dataclasses.replace(r.wgrad_grad, dim=0), r.unquantized_dtype, g)
-            b = prepare_operand(x_op.values(), dataclasses.replace(r.wgrad_input, dim=0), r.unquantized_dtype, g)
-            dw = (a.values().t() @ b.values()).to(ctx.w_dtype)
+            bt = _fused_transposed(x_op, r.wgrad_input, g)  # the same quantization, of x^ transposed
+            if bt is not None:
+                dw = (a.values().t() @ bt.values().t()).to(ctx.w_dtype)
+            else:
+                b = prepare_operand(x_op.values(), dataclasses.replace(r.wgrad_input, dim=0), r.unquantized_dtype, g)
+                dw = (a.values().t() @ b.values()).to(ctx.w_dtype)
         elif ctx.needs_input_grad[1]:
             # wgrad: dW = dy^T @ x = A @ B^T, A = dy^T [N, M], B = x^T [K, M]; both along the tokens M
             at = dy2.t().float()
-            bt = x_op.values().t()
+            bt = None
             if r.wgrad_hadamard:
                 signs = TE_SIGNS_16 if r.hadamard_signs == "te" else random_signs(r.wgrad_hadamard, generator=g)
                 at = _rht_tokens(at, r.wgrad_hadamard, signs)
-                bt = _rht_tokens(bt, r.wgrad_hadamard, signs)
+                bt = _rht_tokens(x_op.values().t(), r.wgrad_hadamard, signs)
             a = prepare_operand(at.contiguous(), r.wgrad_grad, r.unquantized_dtype, g)
-            b = prepare_operand(bt.contiguous(), r.wgrad_input, r.unquantized_dtype, g)
+            b = None if r.wgrad_hadamard else _fused_transposed(x_op, r.wgrad_input, g)
+            if b is None:
+                bt = x_op.values().t() if bt is None else bt
+                b = prepare_operand(bt.contiguous(), r.wgrad_input, r.unquantized_dtype, g)
             dw = gemm(a, b).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.w_dtype)

@@ -206,8 +206,9 @@ def _given_outer(x3: torch.Tensor, spec: NVFP4, encode_scale: torch.Tensor):
 
 
 def _triton_supports(spec: NVFP4) -> bool:
-    """Cases the Triton kernel covers: 1x16 blocks, scale rules "6", "4", "4over6" (any outer, error, rounding)."""
-    return not spec.block_2d and spec.scale_rule != "sweep"
+    """Cases the Triton kernels cover: 1x16 blocks and 16x16 tiles, scale rules "6", "4", "4over6"
+    (any outer, error, rounding); not "sweep"."""
+    return spec.scale_rule != "sweep"
 
 
 def _triton_seed(generator: torch.Generator | None, device: torch.device) -> int:
@@ -233,7 +234,7 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
     ``blocking.random_from_bits``; e.g. the Triton kernel's ``random_bits``). Forces the torch kernels.
 
     CUDA tensors (and CPU tensors under backend "triton" with TRITON_INTERPRET=1) go to the Triton
-    kernel when ``backend.want_triton`` says so and the spec is supported (not 2D, not "sweep"):
+    kernel when ``backend.want_triton`` says so and the spec is supported (any but "sweep"):
     same bits for "nearest"; stochastic rounding then draws from Philox seeded by ``generator``.
     """
     shape = x.shape
@@ -311,15 +312,19 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
 
 
 def _quantize_triton(x3, spec, S_rows, amax_st, S_st, shape, dtype, generator, outputs):
-    """``quantize_nvfp4`` through the Triton kernel (1x16 blocks): same outputs, same bits."""
-    from .triton_kernels.nvfp4_triton import quantize_nvfp4_2d
+    """``quantize_nvfp4`` through the Triton kernels (1x16 blocks or 16x16 tiles): same outputs, same bits."""
+    from .triton_kernels.nvfp4_triton import quantize_nvfp4_2d, quantize_nvfp4_tiles
 
     B, M, K = x3.shape
     want_codes, want_values = outputs != "values", outputs != "codes"
     seed = _triton_seed(generator, x3.device) if spec.rounding == "stochastic" else 0
-    codes, sbytes, values = quantize_nvfp4_2d(
-        x3.reshape(B * M, K), S_rows, spec.scale_rule, spec.error, spec.rounding, spec.sr_mode, seed, 0,
-        want_codes, want_values)
+    if spec.block_2d:
+        codes, sbytes, values = quantize_nvfp4_tiles(
+            x3, S_rows, spec.scale_rule, spec.error, spec.rounding, spec.sr_mode, seed, 0, want_codes, want_values)
+    else:
+        codes, sbytes, values = quantize_nvfp4_2d(
+            x3.reshape(B * M, K), S_rows, spec.scale_rule, spec.error, spec.rounding, spec.sr_mode, seed, 0,
+            want_codes, want_values)
     if want_values:
         values = values[:, :K].reshape(shape)
         if not want_codes:
