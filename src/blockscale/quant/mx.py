@@ -16,8 +16,8 @@ from ..formats.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibble
 from ..formats.fp8 import FP8_DTYPES, FP8_FORMATS, round_fp8
 from ..formats.minifloat import E2M1, mul_pow2
 from ..formats.ue8m0 import decode_ue8m0, encode_ue8m0, scale_exponent_ceil, scale_exponent_floor
-from .backend import fast_kernel, want_compiled
-from .blocking import draw_random, pad_dim, row_chunks
+from .backend import fast_kernel, want_compiled, want_triton
+from .blocking import draw_random, pad_dim, random_from_bits, row_chunks
 from .specs import MX
 from .tensor import QuantizedTensor
 
@@ -85,10 +85,39 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim % n
 
 
-def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = None, outputs: str = "codes"):
+def _triton_seed(generator: torch.Generator | None, device: torch.device) -> int:
+    """A Philox seed for the Triton kernels, drawn from ``generator`` (or the device's default one)."""
+    dev = generator.device if generator is not None else device
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev).item())
+
+
+def _quantize_triton(x: torch.Tensor, dim: int, spec: MX, generator, outputs: str):
+    """The Triton kernels' (codes, scale bytes, values) in the moved layout [R, Kp] of ``quantize_mx``."""
+    from .triton_kernels import mx_triton
+
+    seed = _triton_seed(generator, x.device) if spec.rounding == "stochastic" else 0
+    want_codes, want_values = outputs != "values", outputs != "codes"
+    if x.dim() == 0 or dim == x.dim() - 1:
+        K = x.shape[-1] if x.dim() else 1
+        return mx_triton.quantize_mx_rows(x.reshape(-1, K), spec, seed, 0, want_codes, want_values)
+    shape = x.shape
+    x3 = x.reshape(math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]))
+    return mx_triton.quantize_mx_strided(x3, spec, seed, 0, want_codes, want_values)
+
+
+def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = None, outputs: str = "codes",
+                rand_bits: torch.Tensor | None = None):
     """Quantize finite ``x`` to MX along ``spec.dim`` (padded to whole blocks of 32).
 
     outputs: "codes" -> QuantizedTensor; "values" -> dequantized FP32 tensor only; "both" -> both.
+
+    rand_bits: stochastic rounding only: raw uint32 draws (int32/int64 bit patterns), one per element
+    of the padded layout [R, Kp] (``spec.dim`` moved last), used instead of drawing from ``generator``
+    (see ``blocking.random_from_bits``; e.g. ``triton_kernels.mx_triton.random_bits``). Forces the torch kernels.
+
+    CUDA tensors (and CPU tensors under backend "triton" with TRITON_INTERPRET=1) go to the Triton
+    kernels when ``backend.want_triton`` says so (every MX spec is covered): same bits for "nearest";
+    stochastic rounding then draws from Philox seeded by ``generator``.
     """
     shape = x.shape
     dim = _norm_dim(spec.dim, x.dim())
@@ -97,8 +126,32 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
     K = moved[-1]
     R, Kp = math.prod(moved[:-1]), K + (-K) % BLOCK
     nb = Kp // BLOCK
+    e2m1 = spec.element == "e2m1"
+    want_codes, want_values = outputs != "values", outputs != "codes"
+    if rand_bits is None and R * Kp and want_triton(x):
+        codes, scales, values = _quantize_triton(x, dim, spec, generator, outputs)
+        if codes is not None and not e2m1:
+            codes = codes.view(FP8_DTYPES[spec.element])
+    else:
+        codes, scales, values = _quantize_torch(x, xm, spec, generator, outputs, R, K, Kp, rand_bits)
+    if want_values:
+        values = values[:, :K].reshape(moved).movedim(-1, dim).reshape(shape)
+        if not want_codes:
+            return values
+    lead = tuple(moved[:-1])
+    q = QuantizedTensor(spec=spec, codes=codes.reshape(lead + (codes.shape[-1],)),
+                        scales=scales.reshape(lead + (nb,)), shape=shape, dtype=x.dtype)
+    return (q, values) if want_values else q
+
+
+def _quantize_torch(x, xm, spec: MX, generator, outputs: str, R: int, K: int, Kp: int, rand_bits):
+    """The torch kernels' (codes, scale bytes, values) in the moved layout [R, Kp] of ``quantize_mx``."""
+    nb = Kp // BLOCK
     fast = want_compiled(R * Kp)
-    rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
+    if rand_bits is not None and spec.rounding == "stochastic":
+        rand = random_from_bits(rand_bits.to(x.device), (R, nb, BLOCK), spec.sr_mode)
+    else:
+        rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
     if fast and Kp == K and not xm.is_contiguous():
         # blocks along a dim other than the last: let the compiled kernel read the strided layout
         # directly instead of copying the moved view first
@@ -126,14 +179,7 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
             if want_values:
                 values[rows] = v
             scales[rows] = b
-    if want_values:
-        values = values[:, :K].reshape(moved).movedim(-1, dim).reshape(shape)
-        if not want_codes:
-            return values
-    lead = tuple(moved[:-1])
-    q = QuantizedTensor(spec=spec, codes=codes.reshape(lead + (codes.shape[-1],)),
-                        scales=scales.reshape(lead + (nb,)), shape=shape, dtype=x.dtype)
-    return (q, values) if want_values else q
+    return codes, scales, values
 
 
 def dequantize_mx(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -149,7 +195,11 @@ def dequantize_mx(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> tor
         return torch.zeros(shape, dtype=dtype, device=q.device)
     codes = q.codes.reshape(R, -1)
     b = q.scales.reshape(R, nb)
-    if want_compiled(R * nb * BLOCK):
+    if want_triton(codes):
+        from .triton_kernels.mx_triton import dequantize_mx_2d
+
+        out = dequantize_mx_2d(codes, b, q.spec.element).to(dtype)
+    elif want_compiled(R * nb * BLOCK):
         out = _mx_dequant_blocks_fast(codes, b, q.spec.element, dtype)
     else:
         out = torch.empty(R, nb * BLOCK, dtype=dtype, device=q.device)

@@ -15,10 +15,10 @@ import torch
 from ..formats.minifloat import mul_pow2
 from ..formats.s2f6 import S2F6_MAX, decode_s2f6, encode_s2f6
 from ..formats.ue8m0 import decode_ue8m0, encode_ue8m0
-from .backend import fast_kernel, want_compiled
-from .blocking import abs_max, draw_random, pad_dim, row_chunks
+from .backend import fast_kernel, want_compiled, want_triton
+from .blocking import abs_max, draw_random, pad_dim, random_from_bits, row_chunks
 from .hadamard import inverse_rht_blocks, random_signs, rht_blocks
-from .mx import block_exponent
+from .mx import _triton_seed, block_exponent
 from .specs import S2F6
 from .tensor import QuantizedTensor
 
@@ -49,30 +49,51 @@ _s2f6_blocks_fast = fast_kernel(_s2f6_blocks)
 _s2f6_dequant_blocks_fast = fast_kernel(_s2f6_dequant_blocks)
 
 
-def quantize_s2f6(x: torch.Tensor, spec: S2F6, generator: torch.Generator | None = None) -> QuantizedTensor:
-    """Quantize finite FP32 ``x`` to S2F6 along the last dim (padded to whole blocks of 32)."""
+def quantize_s2f6(x: torch.Tensor, spec: S2F6, generator: torch.Generator | None = None,
+                  rand_bits: torch.Tensor | None = None) -> QuantizedTensor:
+    """Quantize finite FP32 ``x`` to S2F6 along the last dim (padded to whole blocks of 32).
+
+    rand_bits: stochastic rounding only: raw uint32 draws (int32/int64 bit patterns), one per element
+    of the padded [R, Kp] layout, used instead of drawing from ``generator`` (see
+    ``blocking.random_from_bits``; e.g. ``triton_kernels.mx_triton.random_bits``). Forces the torch kernels.
+
+    CUDA tensors (and CPU tensors under backend "triton" with TRITON_INTERPRET=1) go to the Triton
+    kernel when ``backend.want_triton`` says so: same bits for "nearest"; stochastic rounding then
+    draws from Philox seeded by ``generator``.
+    """
     shape = x.shape
     K = shape[-1] if x.dim() else 1
-    xp = pad_dim(x.reshape(math.prod(shape[:-1]) if x.dim() else 1, K), -1, BLOCK)
-    R, Kp = xp.shape
+    x2 = x.reshape(math.prod(shape[:-1]) if x.dim() else 1, K)
+    R, Kp = x2.shape[0], K + (-K) % BLOCK
     nb = Kp // BLOCK
     if spec.hadamard and x.numel() and abs_max(x).item() > _ROTATION_LIMIT:
         raise ValueError(f"S2F6(hadamard=True): |x| must stay below FLT_MAX/32 = {_ROTATION_LIMIT:.3e} "
                          "(the 32-point butterfly adds 32 values); use hadamard=False for such data")
     signs = random_signs(BLOCK, spec.seed, device=x.device) if spec.hadamard else None
-    rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
+    lead = tuple(shape[:-1]) if x.dim() else ()
+    if rand_bits is None and R * Kp and want_triton(x):
+        from .triton_kernels.s2f6_triton import quantize_s2f6_2d
+
+        seed = _triton_seed(generator, x.device) if spec.rounding == "stochastic" else 0
+        codes, scales = quantize_s2f6_2d(x2, signs, spec.scale_rule, spec.rounding, spec.sr_mode,
+                                         seed, 0)
+        return QuantizedTensor(spec=spec, codes=codes.reshape(lead + (Kp,)), scales=scales.reshape(lead + (nb,)),
+                               shape=shape, dtype=x.dtype, signs=signs)
+    if rand_bits is not None and spec.rounding == "stochastic":
+        rand = random_from_bits(rand_bits.to(x.device), (R, nb, BLOCK), spec.sr_mode)
+    else:
+        rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
     codes = torch.empty(R, Kp, dtype=torch.int8, device=x.device)
     scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
     if R * Kp:
         fast = want_compiled(R * Kp)
         kernel = _s2f6_blocks_fast if fast else _s2f6_blocks
-        xb = xp.reshape(R, nb, BLOCK)
+        xb = pad_dim(x2, -1, BLOCK).reshape(R, nb, BLOCK)
         for rows in ([slice(0, R)] if fast else row_chunks(R, Kp)):
             c, b = kernel(xb[rows], signs, None if rand is None else rand[rows], spec.scale_rule,
                           spec.rounding, spec.sr_mode)
             codes[rows] = c
             scales[rows] = b
-    lead = tuple(shape[:-1]) if x.dim() else ()
     return QuantizedTensor(spec=spec, codes=codes.reshape(lead + (Kp,)), scales=scales.reshape(lead + (nb,)),
                            shape=shape, dtype=x.dtype, signs=signs)
 
@@ -87,7 +108,11 @@ def dequantize_s2f6(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> t
         return torch.zeros(shape, dtype=dtype, device=q.device)
     codes = q.codes.reshape(R, nb * BLOCK)
     b = q.scales.reshape(R, nb)
-    if want_compiled(R * nb * BLOCK):
+    if want_triton(codes):
+        from .triton_kernels.s2f6_triton import dequantize_s2f6_2d
+
+        out = dequantize_s2f6_2d(codes, b, q.signs).to(dtype)
+    elif want_compiled(R * nb * BLOCK):
         out = _s2f6_dequant_blocks_fast(codes, b, q.signs, dtype)
     else:
         out = torch.empty(R, nb * BLOCK, dtype=dtype, device=q.device)
