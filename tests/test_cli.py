@@ -44,6 +44,16 @@ def test_demo_bad_input(tmp_path, capsys):
         cli.main(["formats", "--backend", "gpu"])
 
 
+def test_backend_choices_are_the_quant_backends():
+    from blockscale.quant.backend import BACKENDS
+    from blockscale.train.__main__ import build_parser as train_parser
+
+    assert "triton" in BACKENDS
+    for name in BACKENDS:
+        assert cli.build_parser().parse_args(["formats", "--backend", name]).backend == name
+        assert train_parser().parse_args(["--data", "x", "--backend", name]).backend == name
+
+
 def test_recipes_command(capsys):
     assert cli.main(["recipes"]) == 0
     out = capsys.readouterr().out

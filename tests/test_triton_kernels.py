@@ -130,6 +130,42 @@ def test_nearest_matches_reference(rule, error, outer):
     _check(torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 3, spec)
 
 
+def _tiny_16bit(dtype, rows=6, cols=40, seed=0):
+    """``dtype`` (bf16 / fp16) tensor of tiny values only, nearly all of them subnormal in ``dtype``
+    (bf16: FP32 subnormals such as 1e-38 and -3e-39; fp16: below 2**-14), so each block gets its own
+    small E4M3 scale and the values survive quantization. -0.0, zeros, the smallest normal and the
+    smallest subnormal of the format included; K % 16 != 0."""
+    g = torch.Generator().manual_seed(seed)
+    fi = torch.finfo(dtype)
+    if dtype == torch.bfloat16:
+        unit, special = 4e-39, [1e-38, -3e-39, 2.5e-38, -7.5e-39, -0.0, 0.0]
+    else:
+        unit, special = 2e-5, [6e-5, -3e-5, 1.2e-4, -7.5e-6, -0.0, 0.0]
+    x = torch.randn(rows, cols, generator=g) * unit
+    x[0, :6] = torch.tensor(special)
+    x[1, 16:18] = torch.tensor([fi.smallest_normal, -fi.smallest_normal * fi.eps])  # smallest subnormal
+    return x.to(dtype)
+
+
+# S = FLT_MAX for the bf16 tensors: 1 / (s * inv_S) overflows to inf (then FLT_MAX), and numpy says so
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("outer", ["tensor", "row"])
+@pytest.mark.parametrize("rule, error", [("6", "mse"), ("4over6", "mse"), ("4over6", "maxabs")])
+def test_16bit_subnormal_inputs_load_exactly(dtype, outer, rule, error):
+    """bf16 / fp16 inputs holding subnormals of their own format: the kernel must see their exact FP32
+    values (Triton's interpreter converts bf16 subnormals wrongly with ``.to(tl.float32)``)."""
+    x = _tiny_16bit(dtype)
+    assert int((x != 0).sum()) > 200 and bool((x.float().abs() < torch.finfo(dtype).smallest_normal).any())
+    spec = bs.NVFP4(scale_rule=rule, error=error, outer=outer)
+    q = _check(x, spec)
+    with bs.use_backend("reference"):
+        v = q.dequantize()
+    assert int((v != 0).sum()) > 150  # the subnormal inputs are not flushed by the quantization
+    sub = (x.float().abs() < torch.finfo(dtype).smallest_normal) & (x != 0)
+    assert int((v[sub] != 0).sum()) > 50
+
+
 @pytest.mark.parametrize("rule, error", RULES)
 def test_near_ties_of_the_4over6_error_on_randn(rule, error):
     """Many near-equal block errors: one FP32 summation order (no FMA, the pairwise tree)."""
@@ -288,17 +324,32 @@ def test_backend_triton_sr_uses_a_seed_from_the_generator():
 
 
 def test_unsupported_specs_and_auto_on_cpu_keep_the_torch_path(monkeypatch):
+    """Only scale_rule "sweep" has no Triton kernel (1x16 blocks or 16x16 tiles): it keeps the torch
+    path under backend "triton". 16x16 tiles (block_2d=True) go to the tile kernel there."""
     x = _hard(32, 32)
+    tiles = nt.quantize_nvfp4_tiles
 
     def boom(*a, **k):
         raise AssertionError("the Triton kernel must not run here")
 
     monkeypatch.setattr(nt, "quantize_nvfp4_2d", boom)
-    for spec in (bs.NVFP4(block_2d=True), bs.NVFP4(scale_rule="sweep")):
+    monkeypatch.setattr(nt, "quantize_nvfp4_tiles", boom)
+    for spec in (bs.NVFP4(scale_rule="sweep"), bs.NVFP4(scale_rule="sweep", block_2d=True)):
+        assert not ref._triton_supports(spec)
         got, want = _quantize_all(x, spec, "triton"), _quantize_all(x, spec, "reference")
         _same_q(got[0], want[0])
         # stored bytes are plain NVFP4 whatever the scale rule: the dequantize kernel still applies
         assert torch.equal(_i32(got[4]), _i32(want[4]))
+    calls = []  # 16x16 tiles: the tile kernel (the 1x16 one still must not run)
+    monkeypatch.setattr(nt, "quantize_nvfp4_tiles", lambda *a, **k: calls.append(1) or tiles(*a, **k))
+    spec = bs.NVFP4(block_2d=True)
+    assert ref._triton_supports(spec)
+    got, want = _quantize_all(x, spec, "triton"), _quantize_all(x, spec, "reference")
+    _same_q(got[0], want[0])
+    _same_q(got[1], want[1])
+    for a, b in zip(got[2:], want[2:]):
+        assert torch.equal(_i32(a), _i32(b))
+    assert len(calls) == 3  # quantize, quantize_with_values, fake_quantize
     monkeypatch.setattr(nt, "dequantize_nvfp4_2d", boom)
     spec = bs.NVFP4(scale_rule="4over6")
     _same_q(_quantize_all(x, spec, "auto")[0], _quantize_all(x, spec, "reference")[0])  # CPU: no Triton

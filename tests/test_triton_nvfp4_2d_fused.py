@@ -116,6 +116,39 @@ def test_tiles_nearest_match_reference(rule, error):
         assert not torch.equal(_u8(q.scales), _u8(q6.scales))
 
 
+def _tiny_16bit(dtype, shape=(2, 20, 40), seed=0):
+    """``dtype`` (bf16 / fp16) tensor of tiny values only, nearly all subnormal in ``dtype`` (bf16:
+    FP32 subnormals such as 1e-38 and -3e-39), so each tile gets its own small E4M3 scale and they
+    survive quantization; zeros, -0.0, the smallest normal and subnormal included; M, K % 16 != 0."""
+    g = torch.Generator().manual_seed(seed)
+    fi = torch.finfo(dtype)
+    if dtype == torch.bfloat16:
+        unit, special = 4e-39, [1e-38, -3e-39, 2.5e-38, -7.5e-39, -0.0, 0.0]
+    else:
+        unit, special = 2e-5, [6e-5, -3e-5, 1.2e-4, -7.5e-6, -0.0, 0.0]
+    x = torch.randn(*shape, generator=g) * unit
+    x[0, 0, :6] = torch.tensor(special)
+    x[-1, 17, 16:18] = torch.tensor([fi.smallest_normal, -fi.smallest_normal * fi.eps])  # smallest subnormal
+    return x.to(dtype)
+
+
+# S = FLT_MAX for the bf16 tensors: 1 / (s * inv_S) overflows to inf (then FLT_MAX), and numpy says so
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("outer", ["tensor", "group"])  # block_2d has no "row"
+@pytest.mark.parametrize("rule, error", [("6", "mse"), ("4over6", "mse"), ("4over6", "maxabs")])
+def test_tiles_16bit_subnormal_inputs_load_exactly(dtype, outer, rule, error):
+    """bf16 / fp16 inputs holding subnormals of their own format: the tile kernel must see their exact
+    FP32 values (Triton's interpreter converts bf16 subnormals wrongly with ``.to(tl.float32)``)."""
+    x = _tiny_16bit(dtype)
+    assert bool((x.float().abs() < torch.finfo(dtype).smallest_normal).any())
+    q = _check_tiles(x, bs.NVFP4(scale_rule=rule, error=error, block_2d=True, outer=outer))
+    with bs.use_backend("reference"):
+        v = q.dequantize()
+    sub = (x.float().abs() < torch.finfo(dtype).smallest_normal) & (x != 0)
+    assert int((v != 0).sum()) > 800 and int((v[sub] != 0).sum()) > 200  # not flushed by the quantization
+
+
 def test_tile_error_order_decides_near_ties():
     """The nearest 4/6 ties among integer tiles, including one where a plain sequential FP32 sum
     would flip the choice made in ``tile_error``'s order (V + V^T, pairwise tree): the kernel

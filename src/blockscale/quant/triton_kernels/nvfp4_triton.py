@@ -11,6 +11,9 @@ Same FP32 operations, in the same order, as the reference in ``quant/nvfp4.py``:
     4over6: s4 replaces s6 only if its block error (``block_error``'s pairwise tree) is strictly lower.
 
 Why it is bit-exact:
+* BF16 inputs are loaded as their int16 bit patterns and shifted into the FP32 bit pattern
+  (``mx_triton._load_f32``): exact, where Triton's interpreter converts BF16 subnormals wrongly with
+  ``.to(tl.float32)`` (FP16 converts exactly, subnormals included);
 * E4M3 / E2M1 rounding is integer arithmetic on the FP32 bit pattern (``_round_magnitude``), never a
   float8 cast (Triton's interpreter cast to float8e4nv is wrong, and GPUs differ);
 * divisions are ``div_rn`` (plain ``/`` on fp32 is an approximate ``div.full`` on NVIDIA);
@@ -33,6 +36,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .mx_triton import _bits_view, _load_f32
 
 BLOCK = 16
 BLOCKS_PER_PROGRAM = 64  # 1024 elements per program
@@ -159,12 +164,14 @@ def _nvfp4_quantize_kernel(
     n_blocks, nb, K, stride_row, s_stride, seed, offset, rows_per_batch,
     RULE: tl.constexpr, ERR: tl.constexpr, ROUND: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, SWIZZLE: tl.constexpr, BB: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """One program = BB blocks of 16 of the flattened [R, nb] block grid.
 
     x: [R, K] (row stride ``stride_row``), read as zeros past K (the reference zero-pads K to
-    Kp = 16*nb). S: FP32 outer encode scale at ``s_ptr + row * s_stride``. Writes packed codes
-    [R, Kp/2] uint8, E4M3 scale bytes [R, nb] uint8 and, if asked, x^ [R, Kp] FP32.
+    Kp = 16*nb); BF16 inputs come as int16 bit patterns (``BF16``). S: FP32 outer encode scale at
+    ``s_ptr + row * s_stride``. Writes packed codes [R, Kp/2] uint8, E4M3 scale bytes [R, nb] uint8
+    and, if asked, x^ [R, Kp] FP32.
     """
     pid = tl.program_id(0)
     bid = pid.to(tl.int64) * BB + tl.arange(0, BB).to(tl.int64)  # [BB]
@@ -174,7 +181,7 @@ def _nvfp4_quantize_kernel(
     i16 = tl.arange(0, BLOCK)
     cols = col[:, None] + i16[None, :]
     m = bmask[:, None] & (cols < K)
-    x = tl.load(x_ptr + row[:, None] * stride_row + cols, mask=m, other=0.0).to(tl.float32)
+    x = _load_f32(x_ptr + row[:, None] * stride_row + cols, m, BF16)
     S = tl.reshape(tl.load(s_ptr + row * s_stride, mask=bmask, other=1.0), [BB, 1])
     inv_s = tl.math.div_rn(tl.full(S.shape, 1.0, tl.float32), S)
     neg = x.to(tl.int32, bitcast=True) < 0  # sign bit of the input, -0.0 included
@@ -246,11 +253,13 @@ def _nvfp4_tile_quantize_kernel(
     n_tiles, nbm, nbk, M, K, stride_b, stride_row, s_stride, seed, offset,
     RULE: tl.constexpr, ERR: tl.constexpr, ROUND: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, SWIZZLE: tl.constexpr, TB: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """One program = TB tiles of 16x16 of the [B, nbm, nbk] tile grid of x [B, M, K].
 
-    Rows past M and columns past K read as zeros (the reference zero-pads both to 16). S: the
-    tile's FP32 outer encode scale, read at its first row (``s_ptr + (b*M + row) * s_stride``).
+    Rows past M and columns past K read as zeros (the reference zero-pads both to 16); BF16 inputs
+    come as int16 bit patterns (``BF16``). S: the tile's FP32 outer encode scale, read at its first
+    row (``s_ptr + (b*M + row) * s_stride``).
     Outputs are per real row (row < M): packed codes [B*M, Kp/2], scale bytes [B*M, nbk] (the
     tile's scale on each of its rows; or swizzled), FP32 x^ [B*M, Kp].
     """
@@ -265,7 +274,7 @@ def _nvfp4_tile_quantize_kernel(
     cols = tc[:, None, None] * BLOCK + i16[None, None, :]  # [TB, 1, 16]
     rmask = tmask[:, None, None] & (rows < M)
     m = rmask & (cols < K)
-    x = tl.load(x_ptr + b[:, None, None] * stride_b + rows * stride_row + cols, mask=m, other=0.0).to(tl.float32)
+    x = _load_f32(x_ptr + b[:, None, None] * stride_b + rows * stride_row + cols, m, BF16)
     S = tl.reshape(tl.load(s_ptr + (b * M + tr * BLOCK) * s_stride, mask=tmask, other=1.0), [TB, 1, 1])
     inv_s = tl.math.div_rn(tl.full(S.shape, 1.0, tl.float32), S)
     neg = x.to(tl.int32, bitcast=True) < 0
@@ -394,12 +403,13 @@ def quantize_nvfp4_2d(x: torch.Tensor, S: torch.Tensor, scale_rule: str = "6", e
     n_blocks = R * nb
     if n_blocks:
         grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
+        xk, bf16 = _bits_view(x)
         _nvfp4_quantize_kernel[grid](
-            x, S, scales if codes is None else codes, scales, scales if values is None else values,
+            xk, S, scales if codes is None else codes, scales, scales if values is None else values,
             n_blocks, nb, K, x.stride(0), s_stride, int(seed), int(offset), max(rpb, 1),
             RULE=RULES[scale_rule], ERR=ERRORS[error], ROUND=rounding_id(rounding, sr_mode),
             WRITE_CODES=want_codes, WRITE_VALUES=want_values, SWIZZLE=swizzle, BB=BLOCKS_PER_PROGRAM,
-            enable_fp_fusion=False,
+            BF16=bf16, enable_fp_fusion=False,
         )
     return codes, scales, values
 
@@ -451,12 +461,13 @@ def quantize_nvfp4_tiles(x: torch.Tensor, S: torch.Tensor, scale_rule: str = "6"
     n_tiles = B * nbm * nbk
     if n_tiles:
         grid = (triton.cdiv(n_tiles, TILES_PER_PROGRAM),)
+        xk, bf16 = _bits_view(x)
         _nvfp4_tile_quantize_kernel[grid](
-            x, S, scales if codes is None else codes, scales, scales if values is None else values,
+            xk, S, scales if codes is None else codes, scales, scales if values is None else values,
             n_tiles, nbm, nbk, M, K, x.stride(0), x.stride(1), s_stride, int(seed), int(offset),
             RULE=RULES[scale_rule], ERR=ERRORS[error], ROUND=rounding_id(rounding, sr_mode),
             WRITE_CODES=want_codes, WRITE_VALUES=want_values, SWIZZLE=swizzle, TB=TILES_PER_PROGRAM,
-            enable_fp_fusion=False,
+            BF16=bf16, enable_fp_fusion=False,
         )
     return codes, scales, values
 
