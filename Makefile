@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:  `make demo`  and  `make test`.
-# Each creates ./.venv on first use. TORCH pins the torch build pip installs; the default
+# Each creates ./.venv on first use; tests run the Triton kernels under Triton's CPU interpreter
+# (TRITON_INTERPRET=1). TORCH pins the torch build pip installs; the default
 # resolves to the CPU wheel on CPU-only machines here (an unpinned torch would pull a CUDA build).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -37,10 +38,10 @@ formats: $(STAMP)
 	$(VENV)/bin/blockscale formats
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quant.py --markdown
