@@ -5,19 +5,12 @@ interpreter (TRITON_INTERPRET=1 set before ``import triton``); if triton was alr
 it, the file reruns itself in a fresh interpreter. With CUDA the same checks run on the GPU.
 """
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+import triton_interpreter  # noqa: E402  (sets TRITON_INTERPRET before triton is imported)
+from triton_interpreter import DEV, tl, triton  # noqa: E402
 
 import blockscale as bs  # noqa: E402
 from blockscale.formats.ue8m0 import scale_exponent_ceil, scale_exponent_floor  # noqa: E402
@@ -29,8 +22,6 @@ from blockscale.quant.hadamard import (hadamard, hadamard_gemm, inverse_rht_bloc
 from blockscale.quant.triton_kernels import mx_triton as mt  # noqa: E402
 from blockscale.quant.triton_kernels import s2f6_triton as st  # noqa: E402
 
-DEV = "cuda" if ON_GPU else "cpu"
-RERUN = not ON_GPU and not isinstance(tl.randint, InterpretedFunction)
 
 # x^ = v * 2**k may overflow to inf exactly as in the reference (e.g. E2M1, amax 3e38: 4 * 2**126);
 # the interpreter's numpy then warns
@@ -41,20 +32,8 @@ ELEMENTS = ["e4m3", "e5m2", "e2m1"]
 MODES = [("nearest", "hardware"), ("stochastic", "hardware"), ("stochastic", "exact")]
 
 
-@pytest.fixture(autouse=True)
-def _skip_when_rerun(request):
-    if RERUN and request.node.name != "test_rerun_in_a_fresh_interpreter":
-        pytest.skip("runs in test_rerun_in_a_fresh_interpreter (triton was imported without TRITON_INTERPRET=1)")
-
-
-def test_rerun_in_a_fresh_interpreter():
-    if not RERUN:
-        pytest.skip("this process runs the kernels itself")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-6000:] + out.stderr[-2000:]
+_skip_when_rerun = triton_interpreter._skip_when_rerun  # autouse fixture
+test_rerun_in_a_fresh_interpreter = triton_interpreter.test_rerun_in_a_fresh_interpreter
 
 
 def _i32(t):

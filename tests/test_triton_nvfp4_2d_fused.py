@@ -5,19 +5,12 @@ Same interpreter setup as tests/test_triton_kernels.py: TRITON_INTERPRET=1 befor
 on CPU-only machines (a fresh process reruns the file if triton was imported without it); on a GPU
 the kernels run on CUDA tensors against the CPU reference.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+import triton_interpreter  # noqa: E402  (sets TRITON_INTERPRET before triton is imported)
+from triton_interpreter import DEV, ON_GPU  # noqa: E402
 
 import blockscale as bs  # noqa: E402
 from blockscale.nn import QuantizedLinear  # noqa: E402
@@ -31,26 +24,12 @@ from blockscale.quant.triton_kernels import requantize_transposed_triton as ft  
 from blockscale.quant.triton_kernels import nvfp4_triton as nt  # noqa: E402
 from blockscale.recipes import LinearRecipe  # noqa: E402
 
-DEV = "cuda" if ON_GPU else "cpu"
-RERUN = not ON_GPU and not isinstance(tl.randint, InterpretedFunction)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(autouse=True)
-def _skip_when_rerun(request):
-    if RERUN and request.node.name != "test_rerun_in_a_fresh_interpreter":
-        pytest.skip("runs in test_rerun_in_a_fresh_interpreter (triton was imported without TRITON_INTERPRET=1)")
-
-
-def test_rerun_in_a_fresh_interpreter():
-    if not RERUN:
-        pytest.skip("this process runs the kernels itself")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-6000:] + out.stderr[-2000:]
+_skip_when_rerun = triton_interpreter._skip_when_rerun  # autouse fixture
+test_rerun_in_a_fresh_interpreter = triton_interpreter.test_rerun_in_a_fresh_interpreter
 
 
 def _i32(t):

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx_triton import _bits_view, _load_f32
+from .mx_triton import _bits_view, _load_f32, _round_magnitude, random_bits, rounding_id  # shared helpers
 
 BLOCK = 16
 BLOCKS_PER_PROGRAM = 64  # 1024 elements per program
@@ -46,56 +46,6 @@ FLT_MAX = 3.4028234663852886e38
 
 RULES = {"6": 0, "4": 1, "4over6": 2}
 ERRORS = {"mse": 0, "mae": 1, "maxabs": 2}
-
-
-def rounding_id(rounding: str, sr_mode: str) -> int:
-    """0: RNE, 1: stochastic "hardware" (8 bits), 2: stochastic "exact" (24 bits)."""
-    if rounding == "nearest":
-        return 0
-    return 1 if sr_mode == "hardware" else 2
-
-
-@triton.jit
-def _pow2(k):
-    """2.0**k (FP32) for int32 k in [-126, 127], from the bit pattern."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_magnitude(a, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr,
-                     ROUND: tl.constexpr):
-    """Round finite FP32 ``a >= 0`` onto the minifloat grid (MBITS mantissa bits, smallest normal
-    2**EMIN), saturating at MAXV; integer version of ``formats.minifloat.round_magnitude``.
-
-    With significand ``sig`` (implicit bit included) and exponent ``e``, a = sig * 2**(e-23); the
-    grid quantum is 2**qe with qe = max(e, EMIN) - MBITS, so t = a / 2**qe = sig / 2**n with
-    n = qe - e + 23 >= 20: floor(t) = sig >> n and frac(t) = rem / 2**n, exactly.
-    ``rbits`` (int32 bit pattern of the uint32 draw) is used only when ROUND > 0.
-    """
-    b = a.to(tl.int32, bitcast=True)
-    ef = (b >> 23) & 0xFF
-    sig = tl.where(ef > 0, (b & 0x7FFFFF) | 0x800000, b & 0x7FFFFF)
-    e = tl.maximum(ef, 1) - 127
-    qe = tl.maximum(e, EMIN) - MBITS
-    n = qe - e + 23
-    sh = tl.minimum(n, 31)  # sig < 2**24, so shifts of 24..31 already give 0
-    lo = sig >> sh
-    rem = sig - (lo << sh)
-    if ROUND == 0:  # half to even; n >= 26 means rem < half
-        half = 1 << (sh - 1)
-        up = (rem > half) | ((rem == half) & ((lo & 1) == 1))
-    elif ROUND == 1:  # PTX cvt.rs: top 8 discarded bits + 8 random bits carry into the kept bits
-        f8 = rem >> tl.minimum(n - 8, 31)
-        up = (f8 + ((rbits >> 24) & 0xFF)) >= 256
-    else:  # up iff u < frac with u = k24 * 2**-24, compared exactly in int64
-        k24 = ((rbits >> 8) & 0xFFFFFF).to(tl.int64)
-        r64 = rem.to(tl.int64)
-        big = (k24 << tl.maximum(tl.minimum(n, 47) - 24, 0)) < r64
-        small = k24 < (r64 << tl.maximum(24 - n, 0))
-        tiny = (k24 == 0) & (r64 > 0)  # frac < 2**-24: only u = 0 is below it
-        up = tl.where(n >= 48, tiny, tl.where(n >= 24, big, small))
-    r = lo + up.to(tl.int32)
-    return tl.minimum(r.to(tl.float32) * _pow2(qe), MAXV)
 
 
 @triton.jit
@@ -347,13 +297,6 @@ def _nvfp4_dequantize_kernel(codes_ptr, scales_ptr, inv_s_ptr, out_ptr, n_blocks
     tl.store(out_ptr + bid[:, None] * BLOCK + i16[None, :], out, mask=bmask[:, None])
 
 
-@triton.jit(do_not_specialize=["seed", "offset"])
-def _random_bits_kernel(out_ptr, n, seed, offset, B: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B).to(tl.int64)
-    r = tl.randint(seed, (offset + i).to(tl.uint32))
-    tl.store(out_ptr + i, r.to(tl.int32, bitcast=True), mask=i < n)
-
-
 def _per_row(v: torch.Tensor, rows: int, name: str):
     """FP32 per-row vector and its stride: one scalar (stride 0) or one value per row."""
     v = v.detach().to(torch.float32).reshape(-1)
@@ -490,10 +433,4 @@ def dequantize_nvfp4_2d(codes: torch.Tensor, scale_bytes: torch.Tensor, inv_s: t
     return out
 
 
-def random_bits(n: int, seed: int, offset: int = 0, device="cpu") -> torch.Tensor:
-    """The uint32 draws (as int32 bit patterns) the quantize kernel uses for elements 0..n-1 of the
-    K-padded [R, Kp] layout: ``tl.randint(seed, (offset + i) mod 2**32)``."""
-    out = torch.empty(n, dtype=torch.int32, device=device)
-    if n:
-        _random_bits_kernel[(triton.cdiv(n, 1024),)](out, n, int(seed), int(offset), B=1024)
-    return out
+__all__ = ["dequantize_nvfp4_2d", "quantize_nvfp4_2d", "quantize_nvfp4_tiles", "random_bits", "rounding_id"]

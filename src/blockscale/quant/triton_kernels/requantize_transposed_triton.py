@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .nvfp4_triton import _per_row, _pow2, _round_magnitude, rounding_id
+from .mx_triton import _pow2, _round_magnitude, rounding_id
+from .nvfp4_triton import _per_row
 
 MX_BLOCK = 32
 NV_BLOCK = 16
