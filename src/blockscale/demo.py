@@ -89,8 +89,8 @@ def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_token
         reports[label] = {"steps": lsq_steps, "lr_scales": lsq_lr, "mode": "tied", "ppl": record_dict(rec),
                           "seconds": secs, "trainable_params": res["trainable_params"],
                           "first_loss": res["first_loss"], "final_loss": res["final_loss"]}
-        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable amaxes; "
-              f"distillation loss {res['first_loss']:.4f} -> {res['final_loss']:.4f})", flush=True)
+        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable amaxes)",
+              flush=True)
 
     ckpt = out / "checkpoint-compressed-tensors"
     print(f"[demo] exporting the last model to {ckpt} ...", flush=True)
