@@ -75,6 +75,19 @@ def _e2m1_magnitude(x, s, inv_s, rbits, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _four_and_six(x, neg, t, inv_s, rbits, ROUND: tl.constexpr):
+    """Four Over Six candidates: (s4, s6, d4, d6), the E4M3 scales e4m3(1.5 t) and e4m3(t) and the
+    reconstruction errors x^ - x each gives; the caller keeps s4 where its block error is smaller."""
+    s6 = _e4m3_rne(t)
+    s4 = _e4m3_rne(t * 1.5)
+    v6 = _e2m1_magnitude(x, s6, inv_s, rbits, ROUND)
+    v4 = _e2m1_magnitude(x, s4, inv_s, rbits, ROUND)
+    d6 = (tl.where(neg, -v6, v6) * s6) * inv_s - x
+    d4 = (tl.where(neg, -v4, v4) * s4) * inv_s - x
+    return s4, s6, d4, d6
+
+
+@triton.jit
 def _halve(v, BB: tl.constexpr, H: tl.constexpr):
     """[BB, 2H] -> [BB, H]: v[:, i] + v[:, i + H] (one level of ``block_error.tree_sum``)."""
     a, b = tl.split(tl.permute(tl.reshape(v, [BB, 2, H]), [0, 2, 1]))
@@ -149,12 +162,7 @@ def _nvfp4_quantize_kernel(
     elif RULE == 1:
         s = _e4m3_rne(t * 1.5)
     else:
-        s6 = _e4m3_rne(t)
-        s4 = _e4m3_rne(t * 1.5)
-        v6 = _e2m1_magnitude(x, s6, inv_s, rbits, ROUND)
-        v4 = _e2m1_magnitude(x, s4, inv_s, rbits, ROUND)
-        d6 = (tl.where(neg, -v6, v6) * s6) * inv_s - x
-        d4 = (tl.where(neg, -v4, v4) * s4) * inv_s - x
+        s4, s6, d4, d6 = _four_and_six(x, neg, t, inv_s, rbits, ROUND)
         s = tl.where(_block_error(d4, BB, ERR) < _block_error(d6, BB, ERR), s4, s6)  # ties keep 6
 
     v = _e2m1_magnitude(x, s, inv_s, rbits, ROUND)
@@ -242,12 +250,7 @@ def _nvfp4_tile_quantize_kernel(
     elif RULE == 1:
         s = _e4m3_rne(t * 1.5)
     else:
-        s6 = _e4m3_rne(t)
-        s4 = _e4m3_rne(t * 1.5)
-        v6 = _e2m1_magnitude(x, s6, inv_s, rbits, ROUND)
-        v4 = _e2m1_magnitude(x, s4, inv_s, rbits, ROUND)
-        d6 = (tl.where(neg, -v6, v6) * s6) * inv_s - x
-        d4 = (tl.where(neg, -v4, v4) * s4) * inv_s - x
+        s4, s6, d4, d6 = _four_and_six(x, neg, t, inv_s, rbits, ROUND)
         s = tl.where(_tile_error(d4, TB, ERR) < _tile_error(d6, TB, ERR), s4, s6)  # ties keep 6
 
     v = _e2m1_magnitude(x, s, inv_s, rbits, ROUND)
