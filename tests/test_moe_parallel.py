@@ -178,6 +178,10 @@ def test_to_expert_parallel_and_bad_config():
     ce = torch.nn.functional.cross_entropy(logits.view(-1, 32), y.view(-1))
     aux = sum(m.get_submodule(n).aux_loss for n in names)
     assert float(aux.detach()) > 0 and torch.equal(loss, ce + aux)  # the load-balancing loss reaches the training loss
+    import copy
+
+    clone = copy.deepcopy(m)  # after a training forward: aux_loss (tied to its graph) is not copied
+    assert all(clone.get_submodule(n).aux_loss is None for n in names)
     for bad, match in ((dict(dispatch="mxfp8"), "CommConfig.dispatch"), (dict(combine="nvfp4"), "CommConfig.combine"),
                        (dict(dispatch_grad="s2f6"), "CommConfig.dispatch_grad"), (dict(seed=1.5), "seed")):
         with pytest.raises(ValueError, match=match):

@@ -280,7 +280,7 @@ class MoE(nn.Module):
     def __getstate__(self):
         # aux_loss is tied to the last forward's graph: such a tensor cannot be deep-copied or
         # pickled, and a copy of the module has no use for it
-        state = super().__getstate__().copy()
+        state = nn.Module.__getstate__(self).copy()  # explicit: ExpertParallelMoE reuses this method
         state["aux_loss"] = None
         return state
 

@@ -200,10 +200,7 @@ class ExpertParallelMoE(nn.Module):
             out = out + self.shared_expert(x2d).float()
         return out.to(x.dtype).view(shape)
 
-    def __getstate__(self):
-        state = super().__getstate__().copy()
-        state["aux_loss"] = None
-        return state
+    __getstate__ = MoE.__getstate__  # drops aux_loss (tied to the last forward's graph)
 
     def extra_repr(self) -> str:
         c = self.comm
