@@ -186,7 +186,8 @@ def test_tensor_names_dtypes_shapes(tmp_path, fmt, act, dtype, tied, bias):
     assert ("hf_quant_config.json" in files) == (fmt == MO)
     assert {"config.json", "generation_config.json", "blockscale_report.json"} <= set(files)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
-        assert f.metadata() == {"format": "pt"}
+        meta = f.metadata()  # + the SHA-256 of every tensor and of config.json (test_checkpoint_validation.py)
+        assert set(meta) == {"format", "blockscale.sha256", "blockscale.config_sha256"} and meta["format"] == "pt"
         got = {k: (f.get_tensor(k).dtype, tuple(f.get_tensor(k).shape)) for k in f.keys()}
     assert got == _expected_layout(model, fmt, act is not None)
     assert len(_quantized(model)) == 14
@@ -389,13 +390,17 @@ def test_existing_directory(tmp_path):
     out = tmp_path / "ck"
     out.mkdir()
     assert export_checkpoint(model, out, CT) == out  # an empty directory is fine
-    (out / "stale.txt").write_text("old")
+    (out / "ptq_report.json").write_text("{}")  # a run report of ours
     with pytest.raises(FileExistsError, match="not empty.*overwrite=True"):
         export_checkpoint(model, out, MO)
-    assert checkpoint_format(out) == CT and (out / "stale.txt").exists()
+    assert checkpoint_format(out) == CT and (out / "ptq_report.json").exists()
     export_checkpoint(model, out, MO, overwrite=True)
-    assert checkpoint_format(out) == MO and not (out / "stale.txt").exists()
+    assert checkpoint_format(out) == MO and not (out / "ptq_report.json").exists()
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp / old directories left behind
+    (out / "stale.txt").write_text("old")  # not ours: never deleted (tests/test_export_safety.py)
+    with pytest.raises(FileExistsError, match=r"does not write \(stale.txt\)"):
+        export_checkpoint(model, out, CT, overwrite=True)
+    assert checkpoint_format(out) == MO and (out / "stale.txt").exists()
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="not a directory"):
         export_checkpoint(model, tmp_path / "file", CT, overwrite=True)

@@ -153,7 +153,8 @@ def test_bad_inputs_raise(pair, tmp_path):
 
 def test_learn_scales_cli_on_stories260k(tmp_path, capsys):
     """RTN-initialised scale learning from the command line: the exported checkpoint scores exactly what
-    the trained model scored; a PTQ checkpoint directory works as input too (teacher from its metadata)."""
+    the trained model scored; a PTQ checkpoint directory works as input too (teacher from its metadata, with
+    --teacher-from-metadata)."""
     import json
 
     from blockscale import cli
@@ -170,8 +171,8 @@ def test_learn_scales_cli_on_stories260k(tmp_path, capsys):
     ptq = tmp_path / "gptq"
     assert cli.main(["quantize", "stories260k", "--method", "gptq", "--skip-indivisible", "--n-samples", "8",
                      "--seq-len", "64", "--out", str(ptq)]) == 0
-    assert cli.main(["learn-scales", str(ptq), "--out", str(tmp_path / "learned2"), "--steps", "2", "--n-samples", "8",
-                     "--seq-len", "64"]) == 0
+    assert cli.main(["learn-scales", str(ptq), "--teacher-from-metadata", "--out", str(tmp_path / "learned2"),
+                     "--steps", "2", "--n-samples", "8", "--seq-len", "64"]) == 0
     assert (tmp_path / "learned2" / "model.safetensors").is_file()
 
 

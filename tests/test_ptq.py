@@ -219,7 +219,9 @@ def test_bad_input_errors():
     odd = transformers.LlamaForCausalLM(cfg)
     with pytest.raises(ValueError, match="not a multiple of 16"):
         quantize_model(odd, PTQConfig(), progress=False)
-    rep = quantize_model(odd, PTQConfig(skip_indivisible=True), progress=False)
+    with pytest.raises(ValueError, match=r"81\.8% of the decoder layers' weight elements .*allow_partial=True"):
+        quantize_model(odd, PTQConfig(skip_indivisible=True), progress=False)  # most of it would stay high precision
+    rep = quantize_model(odd, PTQConfig(skip_indivisible=True, allow_partial=True), progress=False)
     assert len(rep.linears) == 1 and rep.linears[0].name.endswith("down_proj")  # the only 16-divisible input
 
 

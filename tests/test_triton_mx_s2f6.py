@@ -23,8 +23,8 @@ from blockscale.quant.triton_kernels import mx_triton as mt  # noqa: E402
 from blockscale.quant.triton_kernels import s2f6_triton as st  # noqa: E402
 
 
-# x^ = v * 2**k may overflow to inf exactly as in the reference (e.g. E2M1, amax 3e38: 4 * 2**126);
-# the interpreter's numpy then warns
+# dequantizing arbitrary code / scale bytes may overflow to inf exactly as in the reference (e.g. an
+# E4M3 code 448 with b = 254); the interpreter's numpy then warns
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")]
 

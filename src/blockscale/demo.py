@@ -43,7 +43,26 @@ def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_token
         raise ValueError(f"lsq_lr={lsq_lr!r}: must be a positive finite number")
     eval_tokens = eval_tokens or None
     out = Path(out_dir)
+    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(model, out, eval_tokens, n_samples, seq_len, best, lsq_steps, lsq_lr, t_start)
+    except BaseException:
+        _remove_empty(created)
+        raise
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories the demo created (deepest first) while they are still empty."""
+    for p in created:
+        try:
+            p.rmdir()
+        except OSError:  # not empty (or gone): leave it and everything above it
+            break
+
+
+def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best: str, lsq_steps: int,
+         lsq_lr: float, t_start: float) -> int:
     print(f"[demo] loading {model} ...", flush=True)
     lm = load_model(model)
     d = default_texts(model)

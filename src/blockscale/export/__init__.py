@@ -10,10 +10,10 @@ weight_scale / weight_scale_2 = 1/S / input_scale = 1/S_in, hf_quant_config.json
 and E4M3 block scales in both.
 """
 from .checkpoint import REPORT_FILE, export_checkpoint
-from .common import FORMATS, CheckpointError
+from .common import FORMATS, CheckpointError, is_blockscale_export
 from .load import checkpoint_format, load_checkpoint
 
 load = load_checkpoint
 
-__all__ = ["CheckpointError", "FORMATS", "REPORT_FILE", "checkpoint_format", "export_checkpoint", "load",
-           "load_checkpoint"]
+__all__ = ["CheckpointError", "FORMATS", "REPORT_FILE", "checkpoint_format", "export_checkpoint",
+           "is_blockscale_export", "load", "load_checkpoint"]

@@ -12,14 +12,14 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ..nn.coverage import weight_coverage
 from ..nn.nvfp4_linear import NVFP4Linear
 from . import compressed_tensors, modelopt
-from .common import FORMATS, blockscale_version, drop_shared, model_dtype, resolve_format
+from .common import (CONFIG_FILE, FORMATS, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype,
+                     resolve_format)
+from .destination import atomic_directory, check_output, written_by_export
 from .fused import check_group_membership, check_shared_scales, sibling_groups
-from .writer import atomic_directory, check_destination, parse_size, write_json, write_safetensors
-
-REPORT_FILE = "blockscale_report.json"
-CONFIG_FILE = "config.json"
+from .writer import parse_size, write_json, write_safetensors
 
 
 def _json_safe(metadata: Optional[dict]) -> dict:
@@ -32,6 +32,59 @@ def _json_safe(metadata: Optional[dict]) -> dict:
     except (TypeError, ValueError) as e:
         raise TypeError(f"metadata must be JSON-serializable (str/int/float/bool/None/list/dict, finite "
                         f"numbers): {e}") from None
+
+
+def _extra_files(extra) -> dict[str, object]:
+    """``extra_files`` checked: plain ``*.json`` names we do not write ourselves -> JSON values."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra_files must be a dict of file name -> JSON value, got {type(extra).__name__}")
+    out = {}
+    for name, obj in extra.items():
+        if not isinstance(name, str):
+            raise TypeError(f"extra_files key {name!r}: expected a file name (str)")
+        if Path(name).name != name or name.startswith(".") or "\\" in name or not name.strip():
+            raise ValueError(f"extra_files key {name!r}: expected a plain file name (no directory, not hidden)")
+        if not name.endswith(".json"):
+            raise ValueError(f"extra_files key {name!r}: only .json files can be added")
+        if written_by_export(name):
+            raise ValueError(f"extra_files key {name!r} is a file written by the export itself; choose another name")
+        try:
+            out[name] = json.loads(json.dumps(obj, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"extra_files[{name!r}] must be JSON-serializable (str/int/float/bool/None/list/dict, "
+                            f"finite numbers): {e}") from None
+    return out
+
+
+def _high_precision(model: nn.Module) -> tuple[list[str], dict, dict]:
+    """(names for ``ignore`` / ``exclude_modules``, report entries, element counts) of the modules
+    whose floating-point weight matrices (>= 2 dims) are not NVFP4 (``weight_coverage``): high-precision
+    Linears, fused 3-D MoE experts, routers, embeddings (embeddings are not listed in ``ignore``).
+    high_precision_fraction = H / (Q + H), Q = NVFP4 weight elements, H = high-precision ones, each
+    stored tensor counted once (a tied lm_head adds nothing to H)."""
+    cov = weight_coverage(model)
+    modules = dict(model.named_modules())
+    owner: dict[int, str] = {}
+    entries: dict[str, dict] = {}
+    high = 0
+    for name, n in cov.high_precision.items():
+        m = modules[name]
+        params = {k: p for k, p in m.named_parameters(recurse=False) if p.is_floating_point() and p.dim() >= 2}
+        entry = {"type": type(m).__name__, "elements": n, "parameters": {k: list(p.shape) for k, p in params.items()}}
+        tied = {owner.get(id(p)) for p in params.values()}
+        if len(tied) == 1 and None not in tied:
+            entry["tied_to"] = tied.pop()
+        high += sum(p.numel() for p in params.values() if id(p) not in owner)
+        for p in params.values():
+            owner.setdefault(id(p), name)
+        entries[name] = entry
+    ignore = [n for n in entries if n and not isinstance(modules[n], nn.Embedding)]
+    total = cov.quantized_elements + high
+    counts = {"quantized": cov.quantized_elements, "high_precision": high,
+              "high_precision_fraction": high / total if total else 0.0}
+    return ignore, entries, counts
 
 
 def _check_module(name: str, m: NVFP4Linear) -> None:
@@ -106,20 +159,31 @@ def _config_json(model: nn.Module, dtype: torch.dtype, qcfg: dict) -> dict:
 
 def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str = "compressed-tensors", *,
                       tokenizer=None, max_shard_size: Union[int, str] = "2GB", metadata: Optional[dict] = None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, source=None, extra_files: Optional[dict] = None) -> Path:
     """Write ``model`` (a transformers causal LM whose quantized Linears are ``NVFP4Linear``) to ``out_dir``.
 
     format: "compressed-tensors" (``nvfp4-pack-quantized``; vLLM / SGLang / TensorRT-LLM) or "modelopt"
       (ModelOpt unified HF checkpoint, ``modelopt_fp4``). Both store the same packed codes and E4M3 block
       scales; compressed-tensors stores the encode scale S, ModelOpt its reciprocal fl(1/S).
-    Every other ``nn.Linear`` is written in high precision and listed in ``ignore`` / ``exclude_modules``;
-    non-quantized tensors keep the model's dtype; tied embeddings are written once.
+    Every module holding floating-point weight matrices (>= 2 dims) that are not NVFP4 (other
+    ``nn.Linear``, fused 3-D MoE experts, routers) is written in high precision and listed in
+    ``ignore`` / ``exclude_modules`` (embeddings are not listed: no engine quantizes them); the report
+    lists all of them with element counts and ``quantization_config.blockscale.high_precision_fraction``
+    = H / (Q + H) (Q NVFP4 weight elements, H high-precision ones, tied tensors counted once).
+    Non-quantized tensors keep the model's dtype; tied embeddings are written once.
     Fused siblings (q/k/v, gate/up, w1/w3) must share one outer scale (ValueError otherwise).
     Files: safetensors (sharded above ``max_shard_size`` with ``model.safetensors.index.json``),
     config.json (+ ``quantization_config``), generation_config.json, tokenizer files (if ``tokenizer``),
-    hf_quant_config.json (ModelOpt), blockscale_report.json. Written into a temporary sibling directory
-    and renamed into place; an existing non-empty ``out_dir`` is refused unless ``overwrite=True``.
+    hf_quant_config.json (ModelOpt), ``extra_files``, blockscale_report.json; each with mode
+    0o666 & ~umask. All are written into a temporary sibling ``.NAME.tmp-<host>-<pid>-<hex>`` renamed
+    into place at the end (stale ones left by killed exports of NAME are deleted; see ``destination``).
+    An existing non-empty ``out_dir`` is refused (FileExistsError) unless ``overwrite=True`` and it is a
+    blockscale checkpoint (``is_blockscale_export``) holding nothing a blockscale export does not write.
+    ``source``: the path (or list of paths) of the model being read; ``out_dir`` may not be, lie inside
+      or contain it (UsageError, a ValueError), so an export never replaces its own source.
     ``metadata``: JSON-serializable calibration / method info stored under ``quantization_config.blockscale``.
+    ``extra_files``: {plain file name ending in .json: JSON value} written with the others (run reports
+      such as ptq_report.json), recorded in the report's ``written_files``.
     Returns the output directory.
     """
     fmt_name = resolve_format(format)
@@ -128,13 +192,14 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "to_json_string"):
         raise TypeError("model must be a transformers PreTrainedModel (an nn.Module with a .config)")
     user_meta = _json_safe(metadata)
-    out_dir = Path(out_dir).expanduser().absolute()
-    check_destination(out_dir, overwrite)
+    extras = _extra_files(extra_files)
+    out_dir = check_output(out_dir, overwrite, source)
 
     quantized, high, linears = _collect(model)
     if not quantized:
         raise ValueError("the model has no NVFP4Linear modules: nothing to export as an NVFP4 checkpoint "
                          "(quantize it first, e.g. with blockscale.ptq.quantize_model)")
+    ignore, high_modules, elements = _high_precision(model)
     for name, m in quantized.items():
         _check_module(name, m)
     w4a4_of = {n: m.input_global_scale is not None for n, m in quantized.items()}
@@ -158,32 +223,37 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
 
     version = blockscale_version()
     dtype = model_dtype(model)
-    producer = {"name": "blockscale", "version": version}
+    producer = {"name": PRODUCER, "version": version}
     bs_meta = {"version": version, "format": fmt_name, "scheme": "NVFP4" if w4a4 else "NVFP4A16",
-               "activations": "W4A4" if w4a4 else "W4A16"}
+               "activations": "W4A4" if w4a4 else "W4A16", "tensor_digests": "sha256"}
     if w4a4:
         bs_meta.update(_activation_meta(quantized))
+    bs_meta["high_precision_fraction"] = elements["high_precision_fraction"]
     if "method" in user_meta:
         bs_meta["method"] = user_meta["method"]
     if user_meta:
         bs_meta["metadata"] = user_meta
     if fmt_name == compressed_tensors.NAME:
-        qcfg = compressed_tensors.quantization_config(w4a4, high, bs_meta)
+        qcfg = compressed_tensors.quantization_config(w4a4, ignore, bs_meta)
     else:
-        qcfg = modelopt.quantization_config(w4a4, high, producer, bs_meta)
+        qcfg = modelopt.quantization_config(w4a4, ignore, producer, bs_meta)
     config_json = _config_json(model, dtype, qcfg)
     tensors = _tensors(model, quantized, fmt)
 
     with atomic_directory(out_dir, overwrite) as tmp:
-        info = write_safetensors(tmp, tensors, shard_bytes)
+        info = write_safetensors(tmp, tensors, shard_bytes, config=config_json)
         write_json(tmp / CONFIG_FILE, config_json)
         gen = getattr(model, "generation_config", None)
         if gen is not None and getattr(model, "can_generate", lambda: False)():
             gen.save_pretrained(str(tmp))
         if fmt_name == modelopt.NAME:
-            write_json(tmp / modelopt.HF_QUANT_CONFIG, modelopt.hf_quant_config(w4a4, high, producer))
+            write_json(tmp / modelopt.HF_QUANT_CONFIG, modelopt.hf_quant_config(w4a4, ignore, producer))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        for name, obj in extras.items():
+            if (tmp / name).exists():
+                raise ValueError(f"extra_files key {name!r}: the export already wrote a file of that name")
+            write_json(tmp / name, obj)
         report = {
             "producer": producer,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -197,11 +267,14 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
                         "input_scale_rule": m.input_scale_rule, "input_error": m.input_error} if w4a4 else {})}
                 for n, m in quantized.items()},
             "high_precision_linears": high,
+            "high_precision_modules": high_modules,
+            "weight_elements": elements,
             "fused_groups": groups,
             "files": info["files"],
             "tensors": len(tensors),
             "total_size": info["total_size"],
             "bits_per_quantized_weight": _bits(quantized),
+            "written_files": sorted({*(f.name for f in tmp.iterdir() if f.is_file()), REPORT_FILE}),
         }
         write_json(tmp / REPORT_FILE, report)
     return out_dir

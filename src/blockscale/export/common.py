@@ -1,25 +1,30 @@
-"""Pieces shared by export and load: the two format modules, tied-weight de-duplication, errors."""
+"""Pieces shared by export and load: the two format modules, tied-weight de-duplication, errors, and
+recognising our own exports."""
 from __future__ import annotations
 
+import json
+import os
+import stat
 from collections import defaultdict
-from typing import Mapping
+from pathlib import Path
+from typing import Mapping, Optional, Union
 
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
 from . import compressed_tensors, modelopt
 
 FORMATS = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
+CONFIG_FILE = "config.json"
+REPORT_FILE = "blockscale_report.json"
+PRODUCER = "blockscale"
+_MAX_METADATA_BYTES = 64 * 2**20
 _ALIASES = {
     "compressed-tensors": compressed_tensors.NAME, "compressed_tensors": compressed_tensors.NAME,
     "nvfp4-pack-quantized": compressed_tensors.NAME, "ct": compressed_tensors.NAME,
     "modelopt": modelopt.NAME, "modelopt_fp4": modelopt.NAME, "modelopt-fp4": modelopt.NAME,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded: missing / unexpected / mis-shaped tensors, corrupt
-    files, inconsistent configs. The message names the file or tensor."""
 
 
 def resolve_format(name: str) -> str:
@@ -83,4 +88,45 @@ def blockscale_version() -> str:
         return "unknown"
 
 
-__all__ = ["CheckpointError", "FORMATS", "drop_shared", "model_dtype", "resolve_format", "tied_targets"]
+def _own_json(path: Path) -> Optional[object]:
+    """The JSON in ``path`` when it is a regular file (not a symlink) of at most 64 MiB, else None."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_METADATA_BYTES:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
+def blockscale_report(path: Union[str, os.PathLike]) -> Optional[dict]:
+    """The parsed ``blockscale_report.json`` of the directory ``path`` when blockscale wrote it
+    (``producer.name == "blockscale"``), else None."""
+    rep = _own_json(Path(path) / REPORT_FILE)
+    if isinstance(rep, dict) and isinstance(rep.get("producer"), dict) and rep["producer"].get("name") == PRODUCER:
+        return rep
+    return None
+
+
+def is_blockscale_export(path: Union[str, os.PathLike]) -> bool:
+    """True when the directory ``path`` is a checkpoint written by ``export_checkpoint``, recognised by
+    our metadata: config.json's ``quantization_config.blockscale`` (an object with our "version" and a
+    "format" we write) or a ``blockscale_report.json`` whose ``producer.name`` is "blockscale".
+    Metadata files that are symlinks, not JSON or over 64 MiB do not count. Never raises."""
+    p = Path(path)
+    try:
+        if not p.is_dir():
+            return False
+    except OSError:
+        return False
+    if blockscale_report(p) is not None:
+        return True
+    cfg = _own_json(p / CONFIG_FILE)
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    ours = q.get("blockscale") if isinstance(q, dict) else None
+    return isinstance(ours, dict) and isinstance(ours.get("version"), str) and ours.get("format") in FORMATS
+
+
+__all__ = ["CONFIG_FILE", "CheckpointError", "FORMATS", "REPORT_FILE", "blockscale_report", "drop_shared",
+           "is_blockscale_export", "model_dtype", "resolve_format", "tied_targets"]

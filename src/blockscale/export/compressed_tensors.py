@@ -9,10 +9,11 @@ dumped by ``ModelCompressor.update_config`` (release 0.20.1) for the NVFP4 / NVF
 """
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch
+
+from . import schema
 
 NAME = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
@@ -35,7 +36,8 @@ def _args(dynamic, observer: Optional[str] = None) -> dict:
 
 
 def quantization_config(w4a4: bool, ignore: list[str], blockscale: dict) -> dict:
-    """config.json ``quantization_config`` (group_0 targets every Linear; ``ignore`` the high-precision ones)."""
+    """config.json ``quantization_config``: group_0 targets every Linear; ``ignore`` names every module
+    kept in high precision (Linears, routers, fused 3-D MoE experts), so no engine reads it as NVFP4."""
     group = {
         "targets": ["Linear"],
         "weights": _args(False),
@@ -67,8 +69,8 @@ def export_tensor(suffix: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-class ConfigError(ValueError):
-    pass
+ConfigError = schema.ConfigError
+_QC = "quantization_config"
 
 
 def _check_args(args: dict, where: str, dynamic_ok) -> None:
@@ -82,42 +84,47 @@ def _check_args(args: dict, where: str, dynamic_ok) -> None:
     if sd not in (None, SCALE_DTYPE, "float8_e4m3fn"):
         bad["scale_dtype"] = sd
     if bad:
-        raise ConfigError(f"quantization_config {where}: {bad} is not NVFP4 (expected num_bits 4, type float, "
+        raise ConfigError(f"{_QC}.{where}: {schema.short(bad, 200)} is not NVFP4 (expected num_bits 4, type float, "
                           f"strategy tensor_group, group_size 16, symmetric, dynamic in {dynamic_ok})")
 
 
-def _matcher(patterns: list[str]):
+def _matcher(patterns: list[str], key: str):
+    """name -> bool: equal to a pattern, or ``re.match`` of a ``re:`` pattern (compressed-tensors' rule)."""
     exact = {p for p in patterns if not p.startswith("re:")}
-    regexes = [re.compile(p[3:]) for p in patterns if p.startswith("re:")]
+    idx = [i for i, p in enumerate(patterns) if p.startswith("re:")]
+    regexes = schema.regexes([patterns[i][3:] for i in idx], key, idx)
     return lambda name: name in exact or any(r.match(name) for r in regexes)
 
 
 def parse_config(qcfg: dict) -> dict:
-    """-> {"w4a4": bool, "is_ignored": f(name), "is_target": f(name, module_type_name)}."""
+    """-> {"w4a4": bool, "is_ignored": f(name), "is_target": f(name)}; ``ConfigError`` naming the key
+    of any malformed or non-NVFP4 field."""
+    qcfg = schema.obj(qcfg, _QC)
     if qcfg.get("quant_method") != QUANT_METHOD:
-        raise ConfigError(f"quant_method {qcfg.get('quant_method')!r} is not {QUANT_METHOD!r}")
-    groups = qcfg.get("config_groups") or {}
+        raise ConfigError(f"{_QC}.quant_method {schema.short(qcfg.get('quant_method'))} is not {QUANT_METHOD!r}")
+    groups = schema.obj(qcfg.get("config_groups"), f"{_QC}.config_groups")
     if len(groups) != 1:
-        raise ConfigError(f"expected one config group (NVFP4 for every targeted Linear), found {len(groups)}: "
-                          f"{list(groups)}")
+        raise ConfigError(f"{_QC}.config_groups: expected one config group (NVFP4 for every targeted Linear), "
+                          f"found {len(groups)}: {schema.short(list(groups)[:8], 200)}")
     (gname, group), = groups.items()
-    fmt = group.get("format") or qcfg.get("format")
+    key = f"{_QC}.config_groups.{gname}"
+    group = schema.obj(group, key)
+    fmt = schema.string(group.get("format"), f"{key}.format") or schema.string(qcfg.get("format"), f"{_QC}.format")
     if fmt != PACK_FORMAT:
-        raise ConfigError(f"format {fmt!r} is not {PACK_FORMAT!r}")
-    if not group.get("weights"):
-        raise ConfigError(f"config group {gname!r} has no weights scheme")
-    _check_args(group["weights"], f"config_groups.{gname}.weights", (False, None))
-    acts = group.get("input_activations")
+        raise ConfigError(f"{_QC}: format {schema.short(fmt)} is not {PACK_FORMAT!r}")
+    weights = schema.obj(group.get("weights"), f"{key}.weights")
+    _check_args(weights, f"config_groups.{gname}.weights", (False, None))
+    acts = schema.obj(group.get("input_activations"), f"{key}.input_activations", optional=True)
     if acts:
         _check_args(acts, f"config_groups.{gname}.input_activations", ("local",))
     if group.get("output_activations"):
-        raise ConfigError("output activation quantization is not supported")
+        raise ConfigError(f"{key}.output_activations: output activation quantization is not supported")
     if qcfg.get("kv_cache_scheme"):
-        raise ConfigError("kv_cache_scheme (KV-cache quantization) is not supported by blockscale.load")
-    targets = group.get("targets") or []
+        raise ConfigError(f"{_QC}.kv_cache_scheme: KV-cache quantization is not supported by blockscale.load")
+    targets = schema.str_list(group.get("targets"), f"{key}.targets")
     type_targets = {t for t in targets if t in ("Linear", "nn.Linear")}
-    name_match = _matcher([t for t in targets if t not in type_targets])
-    ignored = _matcher(list(qcfg.get("ignore") or []))
+    name_match = _matcher(targets, f"{key}.targets")
+    ignored = _matcher(schema.str_list(qcfg.get("ignore"), f"{_QC}.ignore"), f"{_QC}.ignore")
     return {
         "w4a4": bool(acts),
         "is_ignored": ignored,
@@ -140,6 +147,11 @@ def encode_scales(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Optional[to
     S = t["weight_global_scale"].to(torch.float32).reshape(1)
     S_in = t.get("input_global_scale")
     return S, (None if S_in is None else S_in.to(torch.float32).reshape(1))
+
+
+def decode_scale(stored: torch.Tensor) -> torch.Tensor:
+    """The FP32 factor dequantization multiplies by, fl(1/S), from the stored ``weight_global_scale`` S."""
+    return 1.0 / stored.to(torch.float32)
 
 
 def weight_tensors(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

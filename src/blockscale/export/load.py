@@ -1,175 +1,186 @@
 """load_checkpoint / checkpoint_format: read an NVFP4 checkpoint back into a transformers model whose
-quantized Linears are ``NVFP4Linear`` (logits equal the exported model's bit for bit)."""
+quantized Linears are ``NVFP4Linear`` (logits equal the exported model's bit for bit).
+
+A checkpoint is untrusted input. In order, before anything is allocated: every file read resolves
+inside the directory (``files``); config fields are type-checked and bounded (``schema``, the format
+modules); the safetensors headers are parsed; config sizes are compared with the header shapes; the
+architecture is built on the meta device and every expected tensor's name, dtype and shape compared
+with the headers; then block scales, outer / input scales and plain tensors are validated and fused
+siblings' scales compared (``validate``), and the SHA-256 digests our exports record are verified
+(unless ``verify=False``). Only then is the model built and filled.
+"""
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import struct
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from ..nn.nvfp4_linear import INPUT_SCALE_RULES, NVFP4Linear
-from . import compressed_tensors, modelopt
-from .common import FORMATS, CheckpointError, drop_shared
+from ..errors import UsageError
+from ..nn.nvfp4_linear import NVFP4Linear
+from . import compressed_tensors, modelopt, schema
+from .common import FORMATS, CheckpointError, drop_shared, tied_targets
+from .files import Shards, checkpoint_dir, inside, read_json
 from .fused import check_shared_scales, sibling_groups
-from .writer import INDEX_FILE, SINGLE_FILE
+from .validate import (check_block_scales, check_decode_range, check_finite, check_model_bytes, check_outer_scale,
+                       check_sizes, verify_digests)
 
 CONFIG_FILE = "config.json"
-_MAX_HEADER = 100 * 1024 * 1024
+LOAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: {what} must be a JSON object")
-    return obj
-
-
-def _dir(path) -> Path:
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise CheckpointError(f"{p}: not a checkpoint directory")
-    return p
+def _format(root: Path, cfg: dict) -> str:
+    q = cfg.get("quantization_config")
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    method = method.lower() if isinstance(method, str) else ""
+    if method == compressed_tensors.QUANT_METHOD:
+        return compressed_tensors.NAME
+    if method.startswith("modelopt"):
+        return modelopt.NAME
+    if not method and (root / modelopt.HF_QUANT_CONFIG).is_file():
+        return modelopt.NAME
+    raise CheckpointError(f"{root}: not an NVFP4 checkpoint (config.json quantization_config.quant_method="
+                          f"{method or None!r}; expected 'compressed-tensors' or 'modelopt', or an "
+                          "hf_quant_config.json)")
 
 
 def checkpoint_format(path: Union[str, os.PathLike]) -> str:
     """"compressed-tensors" or "modelopt", from config.json's ``quantization_config.quant_method``
     (else the presence of hf_quant_config.json)."""
-    p = _dir(path)
-    cfg = _read_json(p / CONFIG_FILE, CONFIG_FILE)
-    q = cfg.get("quantization_config")
-    method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
-    if method == compressed_tensors.QUANT_METHOD:
-        return compressed_tensors.NAME
-    if method.startswith("modelopt"):
-        return modelopt.NAME
-    if not method and (p / modelopt.HF_QUANT_CONFIG).is_file():
-        return modelopt.NAME
-    raise CheckpointError(f"{p}: not an NVFP4 checkpoint (config.json quantization_config.quant_method="
-                          f"{method or None!r}; expected 'compressed-tensors' or 'modelopt', or an hf_quant_config.json)")
+    root = checkpoint_dir(path)
+    return _format(root, read_json(inside(root, CONFIG_FILE, "model config"), CONFIG_FILE))
 
 
-# ---- safetensors files ----------------------------------------------------------------------------
-def _validate_safetensors(f: Path) -> list[str]:
-    """Check the header and that the data section matches the file size (a truncated file would
-    otherwise fault inside the memory map); return the tensor names."""
+# ---- configs --------------------------------------------------------------------------------------
+def _quant_spec(root: Path, fmt_name: str, cfg: dict) -> tuple[dict, dict]:
+    """(format spec from parse_config, checked quantization_config.blockscale section)."""
+    inline = cfg.get("quantization_config")
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{f}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, _MAX_HEADER):
-                raise CheckpointError(f"{f}: corrupt or truncated safetensors file (header length {n} > file size "
-                                      f"{size})")
-            header = json.loads(fh.read(n).decode("utf-8"))
-    except CheckpointError:
-        raise
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f}: corrupt safetensors header ({type(e).__name__}: {e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{f}: corrupt safetensors header (not a JSON object)")
-    end = 0
-    names = []
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        try:
-            a, b = v["data_offsets"]
-            end = max(end, int(b))
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{f}: corrupt safetensors header entry for {k!r}") from None
-        names.append(k)
-    if 8 + n + end != size:
-        raise CheckpointError(f"{f}: truncated or corrupt safetensors file: the header describes {8 + n + end} "
-                              f"bytes, the file has {size}")
-    return names
-
-
-class _Shards:
-    """Open safetensors shards of one checkpoint (weight_map-checked)."""
-
-    def __init__(self, root: Path):
-        from safetensors import safe_open
-
-        index = root / INDEX_FILE
-        if index.is_file():
-            idx = _read_json(index, INDEX_FILE)
-            wm = idx.get("weight_map")
-            if not isinstance(wm, dict) or not wm:
-                raise CheckpointError(f"{index}: no weight_map")
-            files = sorted(set(wm.values()))
-        elif (root / SINGLE_FILE).is_file():
-            wm, files = None, [SINGLE_FILE]
+        if fmt_name == compressed_tensors.NAME:
+            spec = compressed_tensors.parse_config(inline)
         else:
-            raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}")
-        self._stack = contextlib.ExitStack()
-        self.where: dict[str, str] = {}
-        self.handles = {}
-        for fname in files:
-            f = root / fname
-            if Path(fname).name != fname or not f.is_file():
-                raise CheckpointError(f"{root}: shard {fname!r} listed in {INDEX_FILE} is missing")
-            names = _validate_safetensors(f)
-            try:
-                h = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-            except Exception as e:
-                self._stack.close()
-                raise CheckpointError(f"{f}: cannot open safetensors file ({type(e).__name__}: {e})") from None
-            self.handles[fname] = h
-            for k in names:
-                if k in self.where:
-                    raise CheckpointError(f"tensor {k!r} is stored twice ({self.where[k]} and {fname})")
-                self.where[k] = fname
-        if wm is not None:
-            bad = sorted(k for k, v in wm.items() if self.where.get(k) != v)
-            extra = sorted(set(self.where) - set(wm))
-            if bad or extra:
-                raise CheckpointError(f"{index}: weight_map disagrees with the shards (listed elsewhere or missing: "
-                                      f"{bad[:5]}, not listed: {extra[:5]})")
-
-    def get(self, name: str) -> torch.Tensor:
-        fname = self.where[name]
-        try:
-            return self.handles[fname].get_tensor(name)
-        except Exception as e:
-            raise CheckpointError(f"{fname}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
-
-    def close(self):
-        self._stack.close()
+            hfq = root / modelopt.HF_QUANT_CONFIG
+            hq = read_json(inside(root, modelopt.HF_QUANT_CONFIG, "ModelOpt config"), modelopt.HF_QUANT_CONFIG) \
+                if hfq.exists() or hfq.is_symlink() else None
+            spec = modelopt.parse_config(hq, inline)
+        return spec, schema.blockscale_section(inline)
+    except schema.ConfigError as e:
+        raise CheckpointError(f"{root / (e.file or CONFIG_FILE)}: {e}") from None
 
 
-# ---- model ----------------------------------------------------------------------------------------
-def _resolve_dtype(dtype, config) -> torch.dtype:
+def _resolve_dtype(dtype, cfg: dict) -> tuple[torch.dtype, bool]:
+    """(dtype of the non-quantized tensors, whether the caller chose it)."""
     if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype!r}: expected a floating torch.dtype (e.g. torch.bfloat16)")
-    return dtype
+        return schema.model_dtype(cfg) or torch.float32, False
+    d = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if d not in LOAD_DTYPES:
+        raise UsageError(f"dtype={dtype!r}: expected torch.float32, torch.float16, torch.bfloat16 or torch.float64")
+    return d, True
 
 
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, new)
+def _device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise UsageError(f"device={device!r}: not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device={device!r}: CUDA is not available on this machine")
+    return dev
 
 
-def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shapes) -> None:
-    if t.dtype != dtype or tuple(t.shape) not in {tuple(s) for s in shapes}:
-        want = " or ".join(str(list(s)) for s in shapes)
-        raise CheckpointError(f"tensor {name!r}: {t.dtype} {list(t.shape)}, expected {dtype} {want}")
+def _one_line(e: BaseException, limit: int = 500) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _transformers_config(cfg: dict, config_path: Path):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise CheckpointError(f"{config_path}: model_type={model_type!r} is not a model type transformers knows")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
+    except Exception as e:  # noqa: BLE001 - transformers raises anything on hostile configs
+        raise CheckpointError(f"{config_path}: transformers cannot read it ({_one_line(e)})") from None
+
+
+# ---- the plan: what the checkpoint must hold, from a meta-device build -----------------------------
+@dataclass(frozen=True)
+class _QLinear:
+    in_features: int
+    out_features: int
+    bias: bool
+    rule: Optional[str]
+    error: str
+
+
+@dataclass
+class _Plan:
+    quantized: dict  # module name -> _QLinear
+    expected_q: dict  # tensor name -> (module, on-disk suffix, dtype, allowed shapes)
+    plain: dict  # tensor name -> (dtype, shape)
+    model_bytes: int
+
+
+def _build(config, dtype: torch.dtype, config_path: Path, meta: bool):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        if meta:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{config_path}: transformers cannot build the model it describes "
+                              f"({_one_line(e)})") from None
+
+
+def _unshared(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The meta model's state without tied copies (what ``drop_shared`` keeps on a real model)."""
+    state = model.state_dict(keep_vars=True)
+    targets = tied_targets(model)
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for k, t in state.items():
+        by_id[id(t)].append(k)
+    drop = set()
+    for names in by_id.values():
+        keep = ([n for n in names if n not in targets] or names)[:1]
+        drop.update(n for n in names if n not in keep)
+    return {k: t for k, t in state.items() if k not in drop}
+
+
+def _plan(model: nn.Module, spec: dict, bs: dict, fmt, config_path: Path) -> _Plan:
+    w4a4 = spec["w4a4"]
+    quantized: dict[str, _QLinear] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or spec["is_ignored"](name) or not spec["is_target"](name):
+            continue
+        if m.in_features % 16:
+            raise CheckpointError(f"{config_path}: {name}: in_features={m.in_features} is not a multiple of 16, so it "
+                                  "cannot be NVFP4; the quantization config should list it in ignore / exclude_modules")
+        rule, err = None, "mse"
+        if w4a4:
+            o = bs["input_overrides"].get(name, {})
+            rule = o.get("input_scale_rule") or bs["input_scale_rule"] or "6"
+            err = o.get("input_error") or bs["input_error"] or "mse"
+        quantized[name] = _QLinear(m.in_features, m.out_features, m.bias is not None, rule, err)
+    expected_q = {}
+    for name, q in quantized.items():
+        for suffix, (dt, shapes) in fmt.expected_tensors(q.in_features, q.out_features, w4a4).items():
+            expected_q[f"{name}.{suffix}"] = (name, suffix, dt, shapes)
+    plain = {k: (t.dtype, tuple(t.shape)) for k, t in _unshared(model).items()
+             if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2] != "bias")}
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[id(t)] = t.numel() * t.element_size()
+    return _Plan(quantized, expected_q, plain, sum(seen.values()))
 
 
 def _list(names, k=8) -> str:
@@ -177,138 +188,139 @@ def _list(names, k=8) -> str:
     return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "")
 
 
-def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, device="cpu"):
+def _check_plan(plan: _Plan, shards: Shards, root: Path, fmt_name: str, w4a4: bool, explicit: bool) -> None:
+    """Names, dtypes and shapes of every expected tensor against the headers."""
+    present, expected = set(shards.infos), set(plan.expected_q) | set(plan.plain)
+    missing, unexpected = expected - present, present - expected
+    if missing or unexpected:
+        msg = [f"{root}: the tensors do not match the config ({fmt_name}, {'W4A4' if w4a4 else 'W4A16'}, "
+               f"{len(plan.quantized)} NVFP4 Linears)"]
+        if missing:
+            msg.append(f"missing: {_list(missing)}")
+        if unexpected:
+            msg.append(f"unexpected: {_list(unexpected)}")
+        raise CheckpointError("; ".join(msg))
+    for key in sorted(expected):
+        t, f = shards.infos[key], shards.path(key)
+        if key in plan.expected_q:
+            _, _, dt, shapes = plan.expected_q[key]
+            if t.dtype != dt or t.shape not in {tuple(s) for s in shapes}:
+                want = " or ".join(str(list(s)) for s in shapes)
+                raise CheckpointError(f"{f}: tensor {key!r}: {t.dtype} {list(t.shape)}, expected {dt} {want}")
+            continue
+        dt, shape = plan.plain[key]
+        if t.shape != shape:
+            raise CheckpointError(f"{f}: tensor {key!r}: shape {list(t.shape)}, the config implies {list(shape)}")
+        if t.dtype != dt and not (explicit and t.dtype.is_floating_point and dt.is_floating_point):
+            raise CheckpointError(f"{f}: tensor {key!r}: {t.dtype}, expected {dt} (the model dtype; pass dtype= to "
+                                  "cast)")
+
+
+def _check_values(plan: _Plan, shards: Shards, fmt, root: Path) -> None:
+    scale, outer = fmt.RENAME["weight_scale"], (fmt.RENAME["weight_global_scale"], fmt.RENAME["input_global_scale"])
+    for key, (_, suffix, _, _) in plan.expected_q.items():
+        if suffix == scale:
+            check_block_scales(key, shards.view(key), shards.path(key))
+        elif suffix in outer:
+            check_outer_scale(key, shards.view(key), shards.path(key))
+    for name in plan.quantized:
+        key = f"{name}.{outer[0]}"
+        stored = shards.view(key)
+        check_decode_range(key, stored, fmt.decode_scale(stored), shards.view(f"{name}.{scale}"), shards.path(key))
+    for key in plan.plain:
+        check_finite(key, shards.view(key), shards.path(key))
+    stored = {n: {s: shards.view(f"{n}.{s}") for s in outer if f"{n}.{s}" in plan.expected_q} for n in plan.quantized}
+    groups = sibling_groups(list(plan.quantized))
+    try:
+        for s in outer:
+            check_shared_scales({n: d.get(s) for n, d in stored.items()}, s, groups)
+    except ValueError as e:
+        raise CheckpointError(f"{root}: {e}") from None
+
+
+# ---- filling the model ----------------------------------------------------------------------------
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def _fill(model: nn.Module, plan: _Plan, shards: Shards, fmt, dtype: torch.dtype) -> None:
+    quantized: dict[str, NVFP4Linear] = {}
+    for name, q in plan.quantized.items():
+        w = model.get_submodule(name).weight
+        new = NVFP4Linear(q.in_features, q.out_features, q.bias, input_scale_rule=q.rule, input_error=q.error,
+                          dtype=w.dtype if w.is_floating_point() else dtype)
+        _replace(model, name, new)
+        quantized[name] = new
+    state = drop_shared(model, model.state_dict())
+    plain = {k: v for k, v in state.items()
+             if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2] != "bias")}
+    if set(plain) != set(plan.plain):  # pragma: no cover - the meta build and the real one differ
+        raise CheckpointError(f"{shards.root}: the model transformers built differs from its meta-device build "
+                              f"({_list(set(plain) ^ set(plan.plain))})")
+    with torch.no_grad():
+        for name, m in quantized.items():
+            t = {s: shards.get(key) for key, (n, s, _, _) in plan.expected_q.items() if n == name}
+            try:
+                S, S_in = fmt.encode_scales(t)
+            except ValueError as e:
+                raise CheckpointError(f"{shards.root}: {name}: {e}") from None
+            packed, scales = fmt.weight_tensors(t)
+            m.weight_packed.copy_(packed)
+            m.weight_scale.copy_(scales)
+            m.weight_global_scale.copy_(S)
+            if S_in is not None:
+                m.input_global_scale.copy_(S_in)
+        for key, target in plain.items():
+            target.copy_(shards.view(key).to(target.dtype))
+
+
+def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, device="cpu",
+                    verify: bool = True):
     """Load a checkpoint written by ``export_checkpoint`` (either format) as a transformers causal LM
     with ``NVFP4Linear`` modules, in eval mode.
 
     dtype: of the non-quantized weights and activations (default: config.json's ``dtype``); floating
       tensors stored in another dtype are cast only when ``dtype`` is given explicitly.
-    Every tensor is checked against the config (names, dtypes, shapes; strict: missing or unexpected
-    tensors are errors), fused siblings must share their outer scales, and W4A4 activation rules come
-    from ``quantization_config.blockscale`` (default "6"). Raises ``CheckpointError`` (a ValueError).
+    verify: check the SHA-256 digests of every tensor and of config.json that our exports record
+      (checkpoints of other producers have none and load without); ``False`` skips only that check.
+    Everything is validated before the model is allocated (see the module docstring): strict names /
+    dtypes / shapes, finite non-negative block scales, positive normal finite outer scales, finite
+    weights, fused siblings sharing their outer scales; W4A4 activation rules come from
+    ``quantization_config.blockscale`` (default "6"). Raises ``CheckpointError`` (a ValueError) naming
+    the file and the tensor or key; ``UsageError`` for a bad ``dtype`` / ``device``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    root = _dir(path)
-    fmt_name = checkpoint_format(root)
+    dev = _device(device)
+    root = checkpoint_dir(path)
+    config_path = inside(root, CONFIG_FILE, "model config")
+    cfg = read_json(config_path, CONFIG_FILE)
+    fmt_name = _format(root, cfg)
     fmt = FORMATS[fmt_name]
-    raw = _read_json(root / CONFIG_FILE, CONFIG_FILE)
-    inline = raw.get("quantization_config")
-    inline = inline if isinstance(inline, dict) else None
+    spec, bs = _quant_spec(root, fmt_name, cfg)
     try:
-        if fmt_name == compressed_tensors.NAME:
-            spec = compressed_tensors.parse_config(inline)
-        else:
-            hfq = root / modelopt.HF_QUANT_CONFIG
-            spec = modelopt.parse_config(_read_json(hfq, modelopt.HF_QUANT_CONFIG) if hfq.is_file() else None, inline)
-    except ValueError as e:
-        raise CheckpointError(f"{root}: {e}") from None
-    bs = (inline or {}).get("blockscale") or {}
-    w4a4 = spec["w4a4"]
+        schema.check_model_config(cfg)
+    except schema.ConfigError as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
+    dtype, explicit = _resolve_dtype(dtype, cfg)
 
+    shards = Shards(root)
     try:
-        config = AutoConfig.from_pretrained(str(root), trust_remote_code=False)
-    except Exception as e:
-        raise CheckpointError(f"{root / CONFIG_FILE}: transformers cannot read it ({type(e).__name__}: {e})") from None
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    explicit = dtype is not None
-    dtype = _resolve_dtype(dtype, config)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-    # quantized modules: targeted nn.Linear not ignored
-    rule_default = bs.get("input_scale_rule") or "6"
-    err_default = bs.get("input_error") or "mse"
-    overrides = bs.get("input_overrides") or {}
-    quantized: dict[str, NVFP4Linear] = {}
-    for name, m in list(model.named_modules()):
-        if not isinstance(m, nn.Linear) or spec["is_ignored"](name) or not spec["is_target"](name):
-            continue
-        if m.in_features % 16:
-            raise CheckpointError(f"{name}: in_features={m.in_features} is not a multiple of 16, so it cannot be "
-                                  "NVFP4; the checkpoint config should list it in ignore/exclude_modules")
-        rule = err = None
-        if w4a4:
-            o = overrides.get(name, {})
-            rule, err = o.get("input_scale_rule", rule_default), o.get("input_error", err_default)
-            if rule not in INPUT_SCALE_RULES:
-                raise CheckpointError(f"{name}: input_scale_rule={rule!r} in quantization_config.blockscale; allowed "
-                                      f"{INPUT_SCALE_RULES}")
-        new = NVFP4Linear(m.in_features, m.out_features, m.bias is not None, input_scale_rule=rule,
-                          input_error=err or "mse", dtype=m.weight.dtype if m.weight.is_floating_point() else dtype)
-        _replace(model, name, new)
-        quantized[name] = new
-
-    # expected on-disk tensors
-    expected_q: dict[str, tuple[str, str, torch.dtype, tuple]] = {}
-    for name, m in quantized.items():
-        for suffix, (dt, shapes) in fmt.expected_tensors(m.in_features, m.out_features, w4a4).items():
-            expected_q[f"{name}.{suffix}"] = (name, suffix, dt, shapes)
-    state = drop_shared(model, model.state_dict())
-    plain = {k: v for k, v in state.items()
-             if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2] != "bias")}
-
-    shards = _Shards(root)
-    try:
-        present = set(shards.where)
-        expected = set(expected_q) | set(plain)
-        missing, unexpected = expected - present, present - expected
-        if missing or unexpected:
-            msg = [f"{root}: the tensors do not match the config ({fmt_name}, "
-                   f"{'W4A4' if w4a4 else 'W4A16'}, {len(quantized)} NVFP4 Linears)"]
-            if missing:
-                msg.append(f"missing: {_list(missing)}")
-            if unexpected:
-                msg.append(f"unexpected: {_list(unexpected)}")
-            raise CheckpointError("; ".join(msg))
-
-        per_module: dict[str, dict[str, torch.Tensor]] = {n: {} for n in quantized}
-        for key, (name, suffix, dt, shapes) in expected_q.items():
-            t = shards.get(key)
-            _check(key, t, dt, shapes)
-            per_module[name][suffix] = t
-        groups = sibling_groups(list(quantized))
-        stored = {n: fmt.global_scale_tensors(t) for n, t in per_module.items()}
-        try:
-            for key in sorted({k for d in stored.values() for k in d}):
-                check_shared_scales({n: d.get(key) for n, d in stored.items()}, key, groups)
-        except ValueError as e:
-            raise CheckpointError(f"{root}: {e}") from None
-        with torch.no_grad():
-            for name, t in per_module.items():
-                m = quantized[name]
-                try:
-                    S, S_in = fmt.encode_scales(t)
-                except ValueError as e:
-                    raise CheckpointError(f"{name}: {e}") from None
-                for what, s in (("weight", S), ("input", S_in)):
-                    if s is not None and not (bool(torch.isfinite(s).all()) and float(s) > 0):
-                        raise CheckpointError(f"{name}: {what} encode scale {float(s)!r} is not positive and finite")
-                packed, scales = fmt.weight_tensors(t)
-                m.weight_packed.copy_(packed)
-                m.weight_scale.copy_(scales)
-                m.weight_global_scale.copy_(S)
-                if S_in is not None:
-                    m.input_global_scale.copy_(S_in)
-
-            for key, target in plain.items():
-                t = shards.get(key)
-                if tuple(t.shape) != tuple(target.shape):
-                    raise CheckpointError(f"tensor {key!r}: shape {list(t.shape)}, the config implies "
-                                          f"{list(target.shape)}")
-                if t.dtype != target.dtype:
-                    if not (explicit and t.is_floating_point() and target.is_floating_point()):
-                        raise CheckpointError(f"tensor {key!r}: {t.dtype}, expected {target.dtype} (the model dtype; "
-                                              "pass dtype= to cast)")
-                    t = t.to(target.dtype)
-                target.copy_(t)
+        check_sizes(cfg, shards, config_path)
+        config = _transformers_config(cfg, config_path)
+        plan = _plan(_build(config, dtype, config_path, meta=True), spec, bs, fmt, config_path)
+        _check_plan(plan, shards, root, fmt_name, spec["w4a4"], explicit)
+        check_model_bytes(plan.model_bytes, shards, config_path)
+        _check_values(plan, shards, fmt, root)
+        if verify:
+            verify_digests(shards, cfg, config_path, bs["tensor_digests"])
+        model = _build(config, dtype, config_path, meta=False)
+        _fill(model, plan, shards, fmt, dtype)
     finally:
         shards.close()
-
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     model.eval()
-    return model.to(device)
+    return model.to(dev)
 
 
 __all__ = ["checkpoint_format", "load_checkpoint"]

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from . import schema
+
 NAME = "modelopt"
 QUANT_METHOD = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -36,12 +38,15 @@ def quant_algo(w4a4: bool) -> str:
 
 
 def hf_quant_config(w4a4: bool, exclude: list[str], producer: dict) -> dict:
+    """hf_quant_config.json; ``exclude``: every module kept in high precision (Linears, routers, fused
+    3-D MoE experts), so no engine reads it as NVFP4."""
     return {"producer": dict(producer),
             "quantization": {"quant_algo": quant_algo(w4a4), "kv_cache_quant_algo": None,
                              "group_size": GROUP_SIZE, "exclude_modules": list(exclude)}}
 
 
 def quantization_config(w4a4: bool, exclude: list[str], producer: dict, blockscale: dict) -> dict:
+    """config.json ``quantization_config`` (the same ``exclude`` list, as ``ignore``)."""
     args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
     group = {"weights": dict(args), "targets": ["Linear"]}
     if w4a4:
@@ -99,30 +104,40 @@ def check_exportable_input_scale(name: str, S_in: torch.Tensor) -> None:
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-class ConfigError(ValueError):
-    pass
+ConfigError = schema.ConfigError
+_QC = "quantization_config"
 
 
 def parse_config(hf_quant: Optional[dict], inline: Optional[dict]) -> dict:
-    """From hf_quant_config.json (authoritative, as TensorRT-LLM does) or config.json's inline config."""
+    """From hf_quant_config.json (authoritative, as TensorRT-LLM does) or config.json's inline config
+    (whose fields are type-checked either way); ``ConfigError`` (with ``.file``) naming the key of any
+    malformed or unsupported field."""
+    cfg = "config.json"
+    if inline is not None:
+        inline = schema.obj(inline, _QC, file=cfg)
+        i_algo = schema.string(inline.get("quant_algo"), f"{_QC}.quant_algo", file=cfg)
+        i_exclude = schema.str_list(inline.get("ignore"), f"{_QC}.ignore", file=cfg)
+        i_gs, i_kv = inline.get("group_size"), inline.get("kv_cache_scheme")
     if hf_quant is not None:
-        q = hf_quant.get("quantization")
-        if not isinstance(q, dict):
-            raise ConfigError(f"{HF_QUANT_CONFIG}: 'quantization' must be an object")
-        algo, kv, gs, exclude = q.get("quant_algo"), q.get("kv_cache_quant_algo"), q.get("group_size"), \
-            q.get("exclude_modules") or []
+        f = HF_QUANT_CONFIG
+        q = schema.obj(hf_quant.get("quantization"), "quantization", file=f)
+        algo = schema.string(q.get("quant_algo"), "quantization.quant_algo", file=f)
+        kv, gs = q.get("kv_cache_quant_algo"), q.get("group_size")
+        exclude = schema.str_list(q.get("exclude_modules"), "quantization.exclude_modules", file=f)
+        where = f"{HF_QUANT_CONFIG} quantization"
     elif inline is not None:
-        algo, kv, gs, exclude = inline.get("quant_algo"), inline.get("kv_cache_scheme"), inline.get("group_size"), \
-            inline.get("ignore") or []
+        f, algo, kv, gs, exclude, where = cfg, i_algo, i_kv, i_gs, i_exclude, _QC
     else:
-        raise ConfigError("no ModelOpt quantization config found")
-    algo = str(algo or "").upper()
+        raise ConfigError("no ModelOpt quantization config found (no hf_quant_config.json, no quantization_config)",
+                          HF_QUANT_CONFIG)
+    algo = (algo or "").upper()
     if algo not in (ALGO_W4A4, ALGO_W4A16):
-        raise ConfigError(f"quant_algo {algo!r} is not supported (blockscale loads {ALGO_W4A4!r} and {ALGO_W4A16!r})")
-    if gs not in (None, GROUP_SIZE):
-        raise ConfigError(f"group_size {gs!r}: NVFP4 uses 16")
+        raise ConfigError(f"{where}.quant_algo {schema.short(algo)} is not supported (blockscale loads "
+                          f"{ALGO_W4A4!r} and {ALGO_W4A16!r})", f)
+    if isinstance(gs, bool) or gs not in (None, GROUP_SIZE):
+        raise ConfigError(f"{where}.group_size {schema.short(gs)}: NVFP4 uses 16", f)
     if kv:
-        raise ConfigError(f"KV-cache quantization ({kv!r}) is not supported by blockscale.load")
+        raise ConfigError(f"{where}: KV-cache quantization ({schema.short(kv)}) is not supported by blockscale.load", f)
     exclude = list(exclude)
 
     def is_ignored(name: str) -> bool:
@@ -149,6 +164,11 @@ def encode_scales(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Optional[to
             raise ValueError(f"input_scale={float(r)!r}: must be a positive finite FP32 value")
         S_in = (1.0 / r).reshape(1)
     return S, S_in
+
+
+def decode_scale(stored: torch.Tensor) -> torch.Tensor:
+    """The FP32 factor dequantization multiplies by: the stored ``weight_scale_2`` = fl(1/S) itself."""
+    return stored.to(torch.float32)
 
 
 def weight_tensors(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,20 +4,24 @@ Layout (what ``save_pretrained`` writes and every serving engine reads): one ``m
 when everything fits in ``max_shard_size``, else ``model-00001-of-0000N.safetensors`` ... plus
 ``model.safetensors.index.json`` = ``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``.
 Safetensors only: no pickle anywhere.
+
+Content digests: every shard's ``__metadata__`` holds ``"blockscale.sha256"`` = a JSON object
+{tensor name: SHA-256 hex of its stored bytes} and ``"blockscale.config_sha256"`` = the SHA-256 of
+config.json's content (``config_digest``); config.json ``quantization_config.blockscale`` records
+``"tensor_digests": "sha256"`` so a checkpoint whose digests were stripped is recognised.
 """
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
-import os
 import re
-import shutil
-import uuid
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 from safetensors.torch import save_file
+
+from .destination import atomic_directory, check_destination  # noqa: F401  (moved there; kept importable)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,16 +90,41 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     save_file(tensors, str(path), metadata=metadata)
 
 
+DIGEST_KEY = "blockscale.sha256"
+CONFIG_DIGEST_KEY = "blockscale.config_sha256"
+DIGEST_MARKER = "tensor_digests"  # key in quantization_config.blockscale
+DIGEST_ALGO = "sha256"
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 (hex) of the bytes safetensors stores for ``t`` (row-major, little-endian)."""
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(t.view(torch.uint8).numpy() if t.numel() else b"").hexdigest()
+
+
+def config_digest(config: dict) -> str:
+    """SHA-256 (hex) of a config.json object in canonical form (sorted keys, no whitespace), so the
+    digest survives re-indentation but not a changed value."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
 def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], max_shard_size: int,
-                      metadata: dict[str, str] | None = None) -> dict:
+                      metadata: dict[str, str] | None = None, *, config: dict | None = None) -> dict:
     """Write ``tensors`` as shards into ``directory``; returns ``{"files": [...], "total_size": n,
-    "weight_map": {...}}`` (the index is written only when there are several shards)."""
+    "weight_map": {...}}`` (the index is written only when there are several shards). Each shard's
+    metadata records the SHA-256 of each of its tensors and, given ``config`` (the config.json object
+    written next to it), ``config_digest(config)``."""
     meta = {"format": "pt", **(metadata or {})}
+    if config is not None:
+        meta[CONFIG_DIGEST_KEY] = config_digest(config)
     plan = plan_shards(tensors, max_shard_size)
     names = shard_file_names(len(plan))
     weight_map: dict[str, str] = {}
     for fname, keys in zip(names, plan):
-        write_shard(directory / fname, {k: _standalone(tensors[k]) for k in keys}, meta)
+        shard = {k: _standalone(tensors[k]) for k in keys}
+        digests = json.dumps({k: tensor_digest(t) for k, t in shard.items()}, sort_keys=True)
+        write_shard(directory / fname, shard, {**meta, DIGEST_KEY: digests})
         weight_map.update({k: fname for k in keys})
     total = sum(_nbytes(t) for t in tensors.values())
     if len(names) > 1:
@@ -110,64 +139,6 @@ def write_json(path: Path, obj) -> None:
         f.write("\n")
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def check_destination(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() or out_dir.is_symlink():
-        if not out_dir.is_dir():
-            raise FileExistsError(f"{out_dir} exists and is not a directory")
-        if any(out_dir.iterdir()) and not overwrite:
-            raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
-
-
-@contextlib.contextmanager
-def atomic_directory(out_dir: Union[str, os.PathLike], overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary sibling directory; on normal exit it replaces ``out_dir``.
-
-    On any exception the temporary directory is removed and ``out_dir`` is left as it was. An existing
-    non-empty ``out_dir`` is refused unless ``overwrite``; then the old directory is renamed aside, the
-    new one renamed in, and the old one deleted (restored if the swap fails).
-    """
-    out_dir = Path(out_dir).expanduser().absolute()
-    check_destination(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        for f in tmp.iterdir():
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        check_destination(out_dir, overwrite)  # it may have appeared while we wrote
-        old = None
-        if out_dir.exists():
-            if any(out_dir.iterdir()):
-                old = out_dir.parent / f".{out_dir.name}.old-{tag}"
-                os.rename(out_dir, old)
-            else:
-                out_dir.rmdir()
-        try:
-            os.rename(tmp, out_dir)
-        except BaseException:
-            if old is not None:
-                os.rename(old, out_dir)
-            raise
-        _fsync_dir(out_dir.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "atomic_directory", "parse_size", "plan_shards", "shard_file_names",
+__all__ = ["CONFIG_DIGEST_KEY", "DIGEST_ALGO", "DIGEST_KEY", "DIGEST_MARKER", "INDEX_FILE", "SINGLE_FILE",
+           "atomic_directory", "config_digest", "parse_size", "plan_shards", "shard_file_names", "tensor_digest",
            "write_json", "write_safetensors"]

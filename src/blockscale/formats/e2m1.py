@@ -25,10 +25,12 @@ def e2m1_index(v: torch.Tensor) -> torch.Tensor:
 
 
 def encode_e2m1(
-    x: torch.Tensor, rounding: str = "nearest", rand: torch.Tensor | None = None, sr_mode: str = "hardware"
+    x: torch.Tensor, rounding: str = "nearest", rand: torch.Tensor | None = None, sr_mode: str = "hardware",
+    limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """FP32 ``x`` -> E2M1 codes (uint8, unpacked). Rounds as ``round_magnitude``; saturates at ±6."""
-    v = round_magnitude(torch.abs(x), E2M1, rounding, rand, sr_mode)
+    """FP32 ``x`` -> E2M1 codes (uint8, unpacked). Rounds as ``round_magnitude``; saturates at ±6
+    (or at ±``limit``, E2M1 grid values)."""
+    v = round_magnitude(torch.abs(x), E2M1, rounding, rand, sr_mode, limit)
     return e2m1_index(v) | (sign_bit(x).to(torch.uint8) << 3)
 
 

@@ -16,10 +16,11 @@ FP8_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 
 def round_fp8(
     x: torch.Tensor, fmt: FloatFormat, rounding: str = "nearest", rand: torch.Tensor | None = None,
-    sr_mode: str = "hardware",
+    sr_mode: str = "hardware", limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Finite FP32 ``x`` rounded onto the E4M3 / E5M2 grid (FP32 result, saturating)."""
-    return round_to_format(x, fmt, rounding, rand, sr_mode)
+    """Finite FP32 ``x`` rounded onto the E4M3 / E5M2 grid (FP32 result, saturating at ``fmt.max``,
+    or at ``limit``: see ``minifloat.round_magnitude``)."""
+    return round_to_format(x, fmt, rounding, rand, sr_mode, limit)
 
 
 def encode_fp8(x: torch.Tensor, element: str, rounding: str = "nearest", rand=None, sr_mode="hardware"):

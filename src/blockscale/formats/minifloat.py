@@ -67,15 +67,18 @@ def round_magnitude(
     rounding: str = "nearest",
     rand: torch.Tensor | None = None,
     sr_mode: str = "hardware",
+    limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Round non-negative finite FP32 ``a`` onto ``fmt``'s grid, then saturate at ``fmt.max``.
 
     ``rand`` (same shape as ``a``) holds the random numbers for stochastic rounding: uint8 bits
-    for ``sr_mode="hardware"``, FP32 uniforms in [0, 1) for ``"exact"``.
+    for ``sr_mode="hardware"``, FP32 uniforms in [0, 1) for ``"exact"``. ``limit`` (FP32 grid
+    values <= ``fmt.max``, broadcasting to ``a``, e.g. one per block) saturates at ``limit`` instead.
     """
     k = torch.clamp(fp32_exponent(a), min=fmt.emin) - fmt.mbits
     r = round_integer(a * pow2(-k), rounding, rand, sr_mode)
-    return torch.clamp(r * pow2(k), max=fmt.max)
+    v = r * pow2(k)
+    return torch.clamp(v, max=fmt.max) if limit is None else torch.minimum(v, limit)
 
 
 def round_integer(
@@ -99,9 +102,11 @@ def round_to_format(
     rounding: str = "nearest",
     rand: torch.Tensor | None = None,
     sr_mode: str = "hardware",
+    limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Signed rounding of finite FP32 ``x`` onto ``fmt`` (magnitude rounded, sign kept, saturating)."""
-    v = round_magnitude(torch.abs(x), fmt, rounding, rand, sr_mode)
+    """Signed rounding of finite FP32 ``x`` onto ``fmt`` (magnitude rounded, sign kept, saturating at
+    ``fmt.max`` or at ``limit``, see ``round_magnitude``)."""
+    v = round_magnitude(torch.abs(x), fmt, rounding, rand, sr_mode, limit)
     return torch.where(sign_bit(x), -v, v)
 
 

@@ -32,8 +32,8 @@ from torch import nn
 from ..train.data import derive_seed
 from ..train.distributed import (DistInfo, all_reduce_mean, barrier, cleanup_distributed, no_sync,
                                  setup_distributed, wrap_ddp)
-from ..train.trainer import (CheckpointError, _Bar, _truncate_metrics, clip_gradients, load_weights_only, plot_losses,
-                             save_atomic)
+from ..train.checkpoint import CheckpointError, check_record, load_weights_only, save_atomic
+from ..train.trainer import _Bar, _truncate_metrics, clip_gradients, plot_losses
 from .enable import lsq_layers, scale_parameters, weight_parameters
 
 DISTILL_TRAIN = ("scales", "all")
@@ -202,13 +202,17 @@ def _dist_info(device: torch.device) -> DistInfo:
 
 
 def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: DistillConfig = DistillConfig(), *,
-            eval_tokens: Optional[torch.Tensor] = None, resume: bool = False, progress: bool = True) -> dict:
+            eval_tokens: Optional[torch.Tensor] = None, resume: bool = False, progress: bool = True,
+            record: Optional[dict] = None, force: bool = False) -> dict:
     """Distill ``teacher`` into the LSQ-enabled ``student`` (in place) for ``cfg.steps`` AdamW steps.
 
     Only the block amaxes (train="scales"), or also the latent LSQ weights (train="all"), get
     requires_grad=True; every other student parameter and the whole teacher are frozen (the teacher in
     eval mode). resume: continue from ``out_dir/latest.pt`` when it exists (``cfg.steps`` is the
-    total). Returns {"steps", "final_loss", "first_loss", "trainable_params", "optimizer_state_bytes",
+    total). record: plain data defining the run beyond ``cfg`` (the command line records the model,
+    teacher, LSQ mode, ...), saved in the checkpoint; resuming from one that records another raises
+    CheckpointError naming the difference unless ``force`` (one without a record: a note). Returns
+    {"steps", "final_loss", "first_loss", "trainable_params", "optimizer_state_bytes",
     "seconds_per_step", "metrics_path"} (losses of the steps run by this call; None if none ran).
     """
     if not isinstance(cfg, DistillConfig):
@@ -227,12 +231,14 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
     device = next(student.parameters()).device
     info = _dist_info(device)
     try:
-        return _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info, device, out)
+        return _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info, device, out, record,
+                        force)
     finally:
         cleanup_distributed(info)
 
 
-def _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info, device, out) -> dict:
+def _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info, device, out, record=None,
+             force=False) -> dict:
     main = info.is_main
     # freeze everything, then open the trainable tensors
     teacher.eval()
@@ -255,6 +261,7 @@ def _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info,
     metrics_path = out / DISTILL_METRICS_NAME if out else None
     start_step, elapsed0 = 0, 0.0
     state = load_distill_checkpoint(ckpt_path) if resume and ckpt_path.exists() else None
+    note = check_record(state.get("record"), record, ckpt_path, force) if state is not None else None
     if state is not None:
         saved = state["trainable"]
         if set(saved) != set(trainable):
@@ -291,6 +298,8 @@ def _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info,
     bar = _Bar(progress and main, cfg.steps, start_step)
     if state is not None and main and progress:
         bar.log(f"resuming from {ckpt_path} at step {start_step}")
+    if note and main:
+        bar.log(note)
     first_loss = final_loss = None
     step_times: list[float] = []
     t0 = time.perf_counter()
@@ -339,7 +348,8 @@ def _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info,
             if out is not None and (last or periodic):
                 if main:
                     _save(ckpt_path, trainable, optimizer, done, cfg, world_size=info.world_size,
-                          elapsed_s=elapsed0 + time.perf_counter() - t0)
+                          elapsed_s=elapsed0 + time.perf_counter() - t0,
+                          **({"record": record} if record is not None else {}))
                 barrier(info)
             bar.update(loss=f"{loss_v:.4f}")
     finally:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from ..paths import data_root
+from ..errors import CheckpointError, UsageError
+from ..paths import data_root, resolves_inside
 from .llama import Llama
 from .stories260k import load_stories260k, load_tokenizer
 
@@ -108,27 +111,55 @@ def stories260k_tokenizer() -> Tokenizer:
     return Tokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id)
 
 
-def source_model(d: Path) -> Optional[str]:
-    """The model name a blockscale export was made from (its metadata), if recorded."""
+def _quantization_config(d: Path) -> Optional[dict]:
+    """config.json's ``quantization_config`` object of directory ``d``, or None when there is none, the
+    file is not valid JSON, not an object, or (untrusted directories) a symlink resolving outside ``d``."""
+    cfg = Path(d) / "config.json"
     try:
-        qc = json.loads((d / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        if not resolves_inside(d, cfg) or not cfg.is_file():
+            return None
+        obj = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
-    meta = (qc.get("blockscale") or {}).get("metadata") or {}
-    return meta.get("model") if isinstance(meta.get("model"), str) else None
+    qc = obj.get("quantization_config") if isinstance(obj, dict) else None
+    return qc if isinstance(qc, dict) else None
+
+
+def source_model(d: Path) -> Optional[str]:
+    """The model name a blockscale export was made from (its metadata), if recorded. Untrusted: use
+    it only to compare with built-in names or to show the user, never as a path to load."""
+    bs = (_quantization_config(d) or {}).get("blockscale")
+    meta = bs.get("metadata") if isinstance(bs, dict) else None
+    model = meta.get("model") if isinstance(meta, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def is_blockscale_checkpoint(d: Path) -> bool:
-    if (d / "hf_quant_config.json").is_file():
+    """Whether directory ``d`` holds an NVFP4 checkpoint (compressed-tensors or ModelOpt) to open
+    with ``blockscale.load`` rather than ``from_pretrained``."""
+    hfq = Path(d) / "hf_quant_config.json"
+    if hfq.is_file() and resolves_inside(d, hfq):
         return True
-    cfg = d / "config.json"
-    if cfg.is_file():
-        try:
-            qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return False
-        return qc.get("quant_method") in ("compressed-tensors", "modelopt")
-    return False
+    return (_quantization_config(d) or {}).get("quant_method") in ("compressed-tensors", "modelopt")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, terminal colour codes dropped."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()
+    return lines[0].strip() if lines else type(exc).__name__
+
+
+def _weights_error(name, path: Path, exc: BaseException) -> str:
+    """One sentence for a model whose weight files transformers could not read."""
+    files = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")) \
+        if path.is_dir() else []
+    where = f"{name} ({', '.join(files)})" if files else str(name)
+    if isinstance(exc, pickle.UnpicklingError) or "weights only load failed" in str(exc).lower():
+        return (f"{where}: the weights hold objects that torch.load(weights_only=True) refuses (only tensors and "
+                "plain data are loaded from pickles); convert them to safetensors with a tool you trust")
+    if type(exc).__name__ == "SafetensorError":
+        return f"{where}: not a readable safetensors file ({_first_line(exc)}); the file is corrupt or truncated"
+    return f"{where}: the weights cannot be loaded ({type(exc).__name__}: {_first_line(exc)})"
 
 
 def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_file: Optional[str] = None,
@@ -155,7 +186,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         path, gguf_file = path.parent, path.name
     elif path.is_dir() and is_blockscale_checkpoint(path):
-        raise ValueError(f"{path} is an NVFP4 checkpoint: open it with blockscale.load / ptq.pipeline.open_model")
+        raise UsageError(f"{path} is an NVFP4 checkpoint: open it with blockscale.load / ptq.pipeline.open_model")
     elif not path.exists() and ("/" not in str(name_or_path) or str(name_or_path).startswith((".", "/"))):
         raise FileNotFoundError(f"model {name_or_path!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), "
                                 "not an existing path, and not a hub name of the form org/name")
@@ -165,11 +196,17 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
     except OSError as e:
         raise OSError(f"could not load {name_or_path!r} through transformers: {e}") from e
+    except (ImportError, MemoryError):
+        raise
+    except Exception as e:  # corrupt weight files surface as safetensors / pickle / torch errors
+        raise CheckpointError(_weights_error(name_or_path, path, e)) from e
     try:
         tok = hf_tokenizer(AutoTokenizer.from_pretrained(source, **kw))
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
         if not path.is_dir():
-            raise
+            if isinstance(e, OSError):
+                raise
+            raise CheckpointError(f"could not load the tokenizer of {name_or_path!r}: {_first_line(e)}") from e
         tok = None  # a local weights-only directory: quantizing with RTN W4A16 still works
     model = model.to(device).eval()
     if getattr(model.config, "use_cache", None) is not None:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import QuantizationError
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's stack of decoder layers: the ModuleList of same-class blocks (not bare Linears,
@@ -21,7 +23,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             if count > best_count:
                 best, best_count = mod, count
     if best is None:
-        raise ValueError(f"{type(model).__name__}: found no list of decoder layers with Linear layers to quantize")
+        raise QuantizationError(f"{type(model).__name__}: found no list of decoder layers with Linear layers to "
+                                "quantize")
     return best
 
 
@@ -81,8 +84,8 @@ def capture_first_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches:
     finally:
         handle.remove()
     if len(caught) != len(batches):
-        raise RuntimeError(f"caught {len(caught)} of {len(batches)} inputs of the first decoder layer: "
-                           "does the model call its layers in order?")
+        raise QuantizationError(f"caught {len(caught)} of {len(batches)} inputs of the first decoder layer: "
+                                "does the model call its layers in order?")
     return caught
 
 

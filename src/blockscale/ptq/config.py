@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..errors import UsageError
 from ..quant import NVFP4
 from ..quant.specs import _check
 from ..recipes.recipe import DEFAULT_EXCLUDE, check_patterns  # embeddings, the output head, MoE routers: as in training
@@ -27,6 +28,9 @@ class PTQConfig:
     exclude: regexes on module names kept in high precision (lm_head, embeddings by default).
     skip_indivisible: keep Linears whose in_features is not a multiple of 16 in high precision (with a
       warning in the report) instead of raising.
+    allow_partial: quantize what can be even when more than half of the decoder layers' weight
+      elements stay in high precision (e.g. fused 3-D MoE experts, which PTQ does not quantize);
+      otherwise that is a QuantizationError before calibrating. Either way the report lists them.
     Fused groups (q/k/v, gate/up, w1/w3) always share one weight outer scale.
     """
 
@@ -37,6 +41,7 @@ class PTQConfig:
     act_scale_rule: str = "6"
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     skip_indivisible: bool = False
+    allow_partial: bool = False
     # calibration
     n_samples: int = 128
     seq_len: int = 512
@@ -62,16 +67,19 @@ class PTQConfig:
         _check("gptq_four_over_six", self.gptq_four_over_six, FOUR_OVER_SIX_GPTQ)
         NVFP4(scale_rule=self.scale_rule, error=self.error)  # validates error
         object.__setattr__(self, "exclude", check_patterns(self.exclude))
+        for name in ("skip_indivisible", "allow_partial", "awq_duo_scaling", "gptq_act_order", "gptq_static_groups"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"{name}={getattr(self, name)!r}: expected True or False")
         for name in ("n_samples", "seq_len", "batch_size", "awq_grid", "awq_max_tokens", "gptq_block_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}: expected a positive int")
+                raise UsageError(f"{name}={v!r}: expected a positive int")
         if self.seq_len < 2:
-            raise ValueError(f"seq_len={self.seq_len}: need at least 2 tokens")
+            raise UsageError(f"seq_len={self.seq_len}: need at least 2 tokens")
         if not 0.0 <= self.smoothquant_alpha <= 1.0:
-            raise ValueError(f"smoothquant_alpha={self.smoothquant_alpha}: must be in [0, 1]")
+            raise UsageError(f"smoothquant_alpha={self.smoothquant_alpha}: must be in [0, 1]")
         if not 0.0 <= self.gptq_damp < 1.0:
-            raise ValueError(f"gptq_damp={self.gptq_damp}: must be in [0, 1)")
+            raise UsageError(f"gptq_damp={self.gptq_damp}: must be in [0, 1)")
 
     @property
     def weight_spec(self) -> NVFP4:

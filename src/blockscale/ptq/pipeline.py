@@ -5,12 +5,15 @@ Used by ``blockscale quantize`` / ``blockscale eval ppl`` / ``blockscale demo`` 
 from __future__ import annotations
 
 import copy
+import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 
+from ..errors import DataError, UsageError
 from ..eval.perplexity import perplexity
 from ..models.hf import (LoadedModel, hf_tokenizer, is_blockscale_checkpoint, load_model, source_model,
                          stories260k_tokenizer)
@@ -21,9 +24,11 @@ from .quantize_model import PTQReport, quantize_model
 BOS_MODES = ("none", "stream", "window")
 
 
-def open_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device="cpu") -> LoadedModel:
+def open_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device="cpu",
+               verify: bool = True) -> LoadedModel:
     """``models.hf.load_model``, plus NVFP4 checkpoints written by ``export_checkpoint`` (with their
-    tokenizer: the saved transformers one, or stories260K's tok512 when the metadata names it)."""
+    tokenizer: the saved transformers one, or stories260K's tok512 when the metadata names it).
+    ``verify``: check an NVFP4 checkpoint's recorded SHA-256 digests (``load_checkpoint(verify=)``)."""
     from pathlib import Path
 
     path = Path(name_or_path)
@@ -31,7 +36,7 @@ def open_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device=
         return load_model(name_or_path, dtype=dtype, device=device)
     from ..export import load_checkpoint
 
-    model = load_checkpoint(path, dtype=dtype, device=device)
+    model = load_checkpoint(path, dtype=dtype, device=device, verify=verify)
     tok = None
     if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
@@ -79,15 +84,28 @@ class PPLRecord:
 def evaluate_ppl(model, tokenizer, source: str, ctx: int, bos: str = "none", max_tokens: Optional[int] = None,
                  batch_size: int = 4, progress: bool = False) -> PPLRecord:
     """Perplexity of ``model`` on ``source`` (non-overlapping ``ctx``-token windows, every token scored).
-    bos: "none" (no BOS), "stream" (one BOS before the whole stream), "window" (BOS opens every window)."""
+    bos: "none" (no BOS), "stream" (one BOS before the whole stream), "window" (BOS opens every window).
+    progress: a progress bar, shown only when stderr is a terminal. A loss that is not finite (NaN / inf
+    logits: a corrupt model) is a DataError, never a "ppl nan" result."""
     if bos not in BOS_MODES:
-        raise ValueError(f"bos={bos!r}; allowed values: {', '.join(BOS_MODES)}")
+        raise UsageError(f"bos={bos!r}; allowed values: {', '.join(BOS_MODES)}")
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer to encode evaluation text with")
+        raise UsageError("this model has no tokenizer to encode evaluation text with (save one next to its weights)")
+    if bos == "window" and tokenizer.bos_id is None:
+        raise UsageError("bos 'window' (BOS opening every window) but the tokenizer has no BOS token")
     t0 = time.time()
     ids = evaluation_tokens(tokenizer, source, bos_at_start=(bos == "stream"), max_tokens=max_tokens)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if ids.numel() < 2:
+        raise DataError(f"evaluation text {source} has {ids.numel()} token(s): nothing to score")
+    if isinstance(vocab, int) and int(ids.max()) >= vocab:
+        raise DataError(f"evaluation text {source} encodes to token id {int(ids.max())}, outside the model's "
+                        f"vocabulary of {vocab}: the tokenizer does not belong to this model")
     r = perplexity(model, ids, ctx, bos_id=tokenizer.bos_id if bos == "window" else None, batch_size=batch_size,
-                   progress=progress)
+                   progress=progress and sys.stderr.isatty())
+    if not math.isfinite(r.loss):
+        raise DataError(f"the evaluation loss on {source} is {r.loss} (not finite): the model produces NaN or inf "
+                        "logits, so its weights or config are corrupt")
     return PPLRecord(source + (f" (first {max_tokens} tokens)" if max_tokens else ""), ctx, bos, r.tokens_evaluated,
                      r.loss, r.ppl, time.time() - t0)
 

@@ -6,11 +6,16 @@ sampled inputs); (2) AWQ / SmoothQuant: compute per-input-channel scales and fol
 preceding norm / linear (the full-precision function is unchanged), then re-record statistics;
 (3) quantize every Linear (RTN or GPTQ) with one outer scale per fused group and replace it by an
 ``NVFP4Linear``; (4) run the quantized layer to produce the next layer's inputs.
+
+Before any of it (``preflight``): the plan of what is quantized and what stays in high precision
+(refused when that is most of the decoder weights, unless ``allow_partial``), finite parameters,
+smoothable layers, calibration ids inside the vocabulary. During it: non-finite calibration inputs of
+a Linear are a ``DataError`` naming it; any failure quantizing one Linear a ``QuantizationError``
+prefixed by its name.
 """
 from __future__ import annotations
 
 import math
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -19,12 +24,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..errors import DataError, QuantizationError
 from ..nn.fused import fused_groups
 from ..nn.nvfp4_linear import NVFP4Linear, input_encode_scale
 from ..quant import NVFP4, quantize
 from ..quant.nvfp4 import outer_scale
 from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
 from .config import PTQConfig
+from .preflight import (check_calibration, check_coverage, check_finite_parameters, check_smoothable,
+                        non_finite_error, plan_quantization)
 
 
 @dataclass
@@ -42,10 +50,17 @@ class LinearReport:
 
 @dataclass
 class PTQReport:
+    """kept_high_precision: every decoder-layer module whose floating-point parameters of >= 2 dims stay
+    in high precision (excluded Linears, fused 3-D MoE experts, routers, ...), then the Linears outside
+    the decoder layers (lm_head); high_precision_elements: those decoder-layer modules -> their elements;
+    high_precision_fraction: their share of all decoder-layer weight elements (0 when all are NVFP4)."""
+
     config: dict
     layers: int = 0
     linears: list[LinearReport] = field(default_factory=list)
     kept_high_precision: list[str] = field(default_factory=list)
+    high_precision_elements: dict[str, int] = field(default_factory=dict)
+    high_precision_fraction: float = 0.0
     calibration_tokens: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -57,11 +72,13 @@ class PTQReport:
 
 
 class _Stats:
-    """Running statistics of one Linear's inputs."""
+    """Running statistics of the inputs of Linear ``name`` in decoder layer ``layer``."""
 
-    def __init__(self, k: int, want_hessian: bool, want_absmax: bool, sample_every: int, device):
+    def __init__(self, name: str, layer: int, k: int, want_hessian: bool, want_absmax: bool, sample_every: int,
+                 device):
         from .gptq import HessianAccumulator
 
+        self.name, self.layer = name, layer
         self.k, self.tokens, self.amax = k, 0, 0.0
         self.hessian = HessianAccumulator(k, device=device) if want_hessian else None
         self.absmax = torch.zeros(k, dtype=torch.float32, device=device) if want_absmax else None
@@ -72,8 +89,14 @@ class _Stats:
         x2 = x.detach().reshape(-1, self.k).float()
         if x2.numel() == 0:
             return
+        amax = float(x2.abs().max())  # NaN propagates through torch's max (not through Python's)
+        if not math.isfinite(amax):
+            bad = int((~torch.isfinite(x2)).sum())
+            raise DataError(f"{self.name} (decoder layer {self.layer}): its calibration inputs contain NaN/inf "
+                            f"({bad} of {x2.numel()} values); the previous layers overflow on this calibration "
+                            "data (check the model's weights, and use float32 / bfloat16 rather than float16)")
         self.tokens += x2.shape[0]
-        self.amax = max(self.amax, float(x2.abs().max()))
+        self.amax = max(self.amax, amax)
         if self.hessian is not None:
             self.hessian.add(x2)
         if self.absmax is not None:
@@ -85,16 +108,12 @@ class _Stats:
         return torch.cat(self.samples) if self.samples else torch.zeros(0, self.k)
 
 
-def _matches(name: str, patterns) -> bool:
-    return any(re.search(p, name) for p in patterns)
-
-
 @torch.no_grad()
-def _collect(layer, inputs, linears: dict[str, nn.Linear], cfg: PTQConfig, device, total_tokens: int):
+def _collect(layer, index: int, inputs, linears: dict[str, nn.Linear], cfg: PTQConfig, device, total_tokens: int):
     want_h = cfg.method == "gptq"
     want_absmax = cfg.method == "smoothquant"
     every = max(1, math.ceil(total_tokens / cfg.awq_max_tokens)) if cfg.method == "awq" else 0
-    stats = {n: _Stats(m.in_features, want_h, want_absmax, every, device) for n, m in linears.items()}
+    stats = {n: _Stats(n, index, m.in_features, want_h, want_absmax, every, device) for n, m in linears.items()}
     handles = [m.register_forward_hook(lambda mod, args, out, s=stats[n]: s.add(args[0]))
                for n, m in linears.items()]
     try:
@@ -118,17 +137,32 @@ def _smooth(layer, stats, linear_names: dict[int, str], cfg: PTQConfig, spec: NV
         if st.tokens == 0:
             continue
         weights = [m.weight for m in group.linears]
-        if cfg.method == "awq":
-            act_rule = cfg.act_scale_rule if cfg.activations == "w4a4" else None
-            res = awq_search(st.sample(), weights, spec, act_scale_rule=act_rule, n_grid=cfg.awq_grid,
-                             duo_scaling=cfg.awq_duo_scaling, max_tokens=cfg.awq_max_tokens)
-            s, alpha = res.scales, res.alpha
-        else:
-            s, alpha = smoothquant_scales(st.absmax, weights, cfg.smoothquant_alpha), cfg.smoothquant_alpha
-        fold_smoothing(group, s)
+        try:
+            if cfg.method == "awq":
+                act_rule = cfg.act_scale_rule if cfg.activations == "w4a4" else None
+                res = awq_search(st.sample(), weights, spec, act_scale_rule=act_rule, n_grid=cfg.awq_grid,
+                                 duo_scaling=cfg.awq_duo_scaling, max_tokens=cfg.awq_max_tokens)
+                s, alpha = res.scales, res.alpha
+            else:
+                s, alpha = smoothquant_scales(st.absmax, weights, cfg.smoothquant_alpha), cfg.smoothquant_alpha
+            fold_smoothing(group, s)
+        except QuantizationError:
+            raise
+        except ValueError as err:
+            raise QuantizationError(f"{', '.join(names)}: method={cfg.method!r} smoothing failed: {err}") from err
+        layer_prefix = names[0][: len(names[0]) - len(group.linear_names[0])]
+        _check_folded([*zip(names, group.linears), (layer_prefix + group.prev_name, group.prev)], cfg.method)
         for n in names:
             alphas[n] = alpha
     return alphas
+
+
+def _check_folded(modules, method: str) -> None:
+    """W * s can overflow a half-precision weight: QuantizationError naming the module if it did."""
+    for name, m in modules:
+        for pname, p in m.named_parameters(recurse=False):
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                raise non_finite_error(name, pname, p, f" after method={method!r} smoothing")
 
 
 def _group_encode_scale(weights: list[torch.Tensor], spec: NVFP4) -> torch.Tensor:
@@ -142,49 +176,86 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+def _quantize_one(n: str, lin: nn.Linear, st: Optional[_Stats], S: torch.Tensor, in_amax: float, cfg: PTQConfig,
+                  spec: NVFP4, gcfg, alpha: Optional[float], fallback_amax: float):
+    """Linear ``n`` as an NVFP4Linear (RTN or GPTQ with the group's outer scale S) and its report."""
+    from .gptq import gptq_quantize
+
+    w = lin.weight.detach()
+    note = ""
+    H = st.hessian.H if (st is not None and st.hessian is not None and st.tokens) else None
+    if cfg.method == "gptq" and H is not None:
+        q, _ = gptq_quantize(w, H, spec, S, gcfg)
+    else:
+        if cfg.method == "gptq":
+            note = "no calibration tokens: RTN"
+        q = quantize(w, spec, encode_scale=S)
+    if st is not None and st.tokens == 0 and cfg.activations == "w4a4":
+        note = (note + "; " if note else "") + f"no calibration tokens: input amax {fallback_amax:.4g} from its layer"
+    kw = {}
+    if cfg.activations == "w4a4":
+        kw = dict(input_global_scale=input_encode_scale(in_amax, cfg.act_scale_rule),
+                  input_scale_rule=cfg.act_scale_rule, input_error=cfg.error)
+    new = NVFP4Linear.from_quantized(q, lin.bias, dtype=w.dtype, **kw)
+    wf = w.float()
+    dw = new.dequantized_weight(torch.float32) - wf
+    rel = float(dw.pow(2).sum() / wf.pow(2).sum().clamp_min(1e-30))
+    out_rel = rtn_rel = None
+    if H is not None:
+        def out_err(d):
+            return float(((d @ H) * d).sum() / ((wf @ H) * wf).sum().clamp_min(1e-30))
+
+        out_rel = out_err(dw)
+        if cfg.method == "gptq":
+            rtn_rel = out_err(quantize(w, spec, encode_scale=S).dequantize(torch.float32) - wf)
+    return new, LinearReport(n, tuple(w.shape), st.tokens if st is not None else 0, rel, out_rel, rtn_rel,
+                             st.amax if st is not None else None, alpha, note)
+
+
 def _quantize_linears(root, linears: dict[str, nn.Linear], stats, cfg: PTQConfig, spec: NVFP4, report: PTQReport,
                       alphas: dict[str, float], fallback_amax: float) -> None:
-    from .gptq import GPTQConfig, gptq_quantize
+    from .gptq import GPTQConfig
 
     gcfg = GPTQConfig(damp=cfg.gptq_damp, block_size=cfg.gptq_block_size, act_order=cfg.gptq_act_order,
                       static_groups=cfg.gptq_static_groups, four_over_six=cfg.gptq_four_over_six)
     for group in fused_groups(list(linears)):
-        S = _group_encode_scale([linears[n].weight for n in group], spec)
         amaxes = [stats[n].amax for n in group if stats is not None and stats[n].tokens]
         in_amax = max(amaxes) if amaxes else fallback_amax
+        try:
+            S = _group_encode_scale([linears[n].weight for n in group], spec)
+        except ValueError as err:
+            raise QuantizationError(f"{', '.join(group)}: {err}") from err
         for n in group:
-            lin = linears[n]
-            w = lin.weight.detach()
             st = stats[n] if stats is not None else None
-            note = ""
-            H = st.hessian.H if (st is not None and st.hessian is not None and st.tokens) else None
-            if cfg.method == "gptq" and H is not None:
-                q, _ = gptq_quantize(w, H, spec, S, gcfg)
-            else:
-                if cfg.method == "gptq":
-                    note = "no calibration tokens: RTN"
-                q = quantize(w, spec, encode_scale=S)
-            if st is not None and st.tokens == 0 and cfg.activations == "w4a4":
-                note = (note + "; " if note else "") + f"no calibration tokens: input amax {fallback_amax:.4g} from its layer"
-            kw = {}
-            if cfg.activations == "w4a4":
-                kw = dict(input_global_scale=input_encode_scale(in_amax, cfg.act_scale_rule),
-                          input_scale_rule=cfg.act_scale_rule, input_error=cfg.error)
-            new = NVFP4Linear.from_quantized(q, lin.bias, dtype=w.dtype, **kw)
-            wf = w.float()
-            dw = new.dequantized_weight(torch.float32) - wf
-            rel = float(dw.pow(2).sum() / wf.pow(2).sum().clamp_min(1e-30))
-            out_rel = rtn_rel = None
-            if H is not None:
-                def out_err(d):
-                    return float(((d @ H) * d).sum() / ((wf @ H) * wf).sum().clamp_min(1e-30))
-
-                out_rel = out_err(dw)
-                if cfg.method == "gptq":
-                    rtn_rel = out_err(quantize(w, spec, encode_scale=S).dequantize(torch.float32) - wf)
-            report.linears.append(LinearReport(n, tuple(w.shape), st.tokens if st is not None else 0, rel, out_rel,
-                                               rtn_rel, st.amax if st is not None else None, alphas.get(n), note))
+            try:
+                new, lr = _quantize_one(n, linears[n], st, S, in_amax, cfg, spec, gcfg, alphas.get(n), fallback_amax)
+            except QuantizationError:
+                raise
+            except ValueError as err:  # every failure names the Linear it happened in
+                raise QuantizationError(f"{n}: {err}") from err
+            report.linears.append(lr)
             _replace(root, n, new)
+
+
+def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQConfig, calibration,
+               report: PTQReport) -> tuple[list[dict[str, nn.Linear]], int]:
+    """Everything checked before calibrating; fills the report's high-precision fields and warns once
+    about them. Returns the Linears to quantize per layer and how many report.warnings were warned."""
+    plan = plan_quantization(model, layers, prefix, config)
+    report.kept_high_precision = plan.kept_high_precision
+    report.high_precision_elements = dict(plan.coverage.high_precision)
+    report.high_precision_fraction = plan.coverage.high_precision_fraction
+    line = check_coverage(plan.coverage, config)  # raises when most of it would stay high precision
+    check_finite_parameters(layers, prefix)
+    check_smoothable(layers, prefix, config)
+    if config.needs_calibration:
+        check_calibration(model, calibration, config)
+    if line is not None:
+        warnings.warn(line, RuntimeWarning, stacklevel=3)
+        report.warnings.append(line)
+    warned = len(report.warnings)
+    report.warnings.extend(plan.warnings)
+    return plan.per_layer, warned
 
 
 def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[torch.Tensor] = None, *,
@@ -193,7 +264,13 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     ModuleList) in place: every nn.Linear inside the decoder layers, except ``config.exclude``,
     becomes an ``NVFP4Linear``. ``calibration``: [n, T] token ids (needed unless the method is RTN
     with W4A16). ``device``: where each layer is processed (default: where the model is).
-    Returns a report (per-linear errors, time)."""
+    Returns a report (per-linear errors, what stays in high precision, time).
+
+    Before calibrating, raises QuantizationError when more than half of the decoder layers' weight
+    elements would stay in high precision (fused 3-D MoE experts, ...) unless ``config.allow_partial``
+    (then one RuntimeWarning says what share stays), when a decoder-layer parameter is NaN/inf, or when
+    AWQ / SmoothQuant cannot fold into a layer; DataError for calibration ids outside the vocabulary or
+    an empty calibration set. While calibrating, DataError when a Linear's inputs are NaN/inf."""
     t0 = time.time()
     if not isinstance(config, PTQConfig):
         raise TypeError(f"config must be a PTQConfig, got {type(config).__name__}")
@@ -203,49 +280,11 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     prefix = next(n for n, m in model.named_modules() if m is layers)
     home = next(model.parameters()).device
     device = torch.device(device) if device is not None else home
-
-    # which linears: everything inside the decoder layers not excluded; the rest stays as it is
-    per_layer: list[dict[str, nn.Linear]] = []
-    for i, layer in enumerate(layers):
-        chosen = {}
-        for n, m in layer.named_modules():
-            if not isinstance(m, nn.Linear):
-                continue
-            full = f"{prefix}.{i}.{n}"
-            if _matches(full, config.exclude):
-                report.kept_high_precision.append(full)
-                continue
-            if m.in_features % 16 and config.skip_indivisible:
-                report.kept_high_precision.append(full)
-                report.warnings.append(f"{full}: in_features={m.in_features} is not a multiple of 16: kept in "
-                                       "high precision")
-                continue
-            if m.in_features % 16:
-                raise ValueError(f"{full}: in_features={m.in_features} is not a multiple of 16, which NVFP4 "
-                                 "checkpoints need; keep it in high precision with exclude=[...] or skip_indivisible=True")
-            chosen[full] = m
-        per_layer.append(chosen)
-        # serving engines load a fused group as one layer: all of it NVFP4 or none (checked before calibrating)
-        linear_names = [f"{prefix}.{i}.{n}" for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
-        for group in fused_groups(linear_names):
-            part = [n for n in group if n in chosen]
-            if part and len(part) != len(group):
-                raise ValueError(f"fused modules {group}: only {part} would be quantized (exclude / skip_indivisible "
-                                 "keep the others in high precision); serving engines load the group as one layer, "
-                                 "so quantize all of them or none")
-    in_layers = {id(m) for d in per_layer for m in d.values()}
-    for n, m in model.named_modules():
-        if isinstance(m, nn.Linear) and id(m) not in in_layers and n not in report.kept_high_precision:
-            report.kept_high_precision.append(n)
+    per_layer, warned = _preflight(model, layers, prefix, config, calibration, report)
     report.layers = len(layers)
 
     inputs: Optional[list[LayerInput]] = None
     if config.needs_calibration:
-        if calibration is None:
-            raise ValueError(f"method={config.method!r} with activations={config.activations!r} needs calibration "
-                             "token ids (calibration=[n, T] tensor)")
-        if calibration.dim() != 2 or calibration.dtype != torch.long:
-            raise ValueError(f"calibration must be a [n, T] long tensor, got {tuple(calibration.shape)} {calibration.dtype}")
         batches = list(calibration.split(config.batch_size))
         report.calibration_tokens = calibration.numel()
         inputs = capture_first_layer_inputs(model, layers, batches)
@@ -263,12 +302,12 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
         linear_names = {id(m): n for n, m in linears.items()}
         stats, alphas = None, {}
         if inputs is not None and linears:
-            stats = _collect(layer, inputs, linears, config, device, report.calibration_tokens)
+            stats = _collect(layer, i, inputs, linears, config, device, report.calibration_tokens)
             if config.method in ("awq", "smoothquant"):
                 with torch.no_grad():
                     alphas = _smooth(layer, stats, linear_names, config, spec)
                 if alphas and (config.activations == "w4a4" or config.method == "gptq"):
-                    stats = _collect(layer, inputs, linears, config, device, report.calibration_tokens)
+                    stats = _collect(layer, i, inputs, linears, config, device, report.calibration_tokens)
         fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
         with torch.no_grad():
             _quantize_linears(model, linears, stats, config, spec, report, alphas, fallback)
@@ -278,10 +317,10 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
         for lr in report.linears[-len(linears):] if linears else []:
             if lr.note:
                 report.warnings.append(f"{lr.name}: {lr.note}")
-    if report.warnings:  # one warning for the whole model, each case listed
-        warnings.warn(f"{len(report.warnings)} layer(s) need attention (see report.warnings): "
-                      + "; ".join(report.warnings[:4]) + ("; ..." if len(report.warnings) > 4 else ""),
-                      RuntimeWarning, stacklevel=2)
+    notes = report.warnings[warned:]
+    if notes:  # one warning for the whole model, each case listed
+        warnings.warn(f"{len(notes)} layer(s) need attention (see report.warnings): "
+                      + "; ".join(notes[:4]) + ("; ..." if len(notes) > 4 else ""), RuntimeWarning, stacklevel=2)
     report.seconds = time.time() - t0
     return report
 

@@ -115,6 +115,8 @@ def check_norm_absorbs_scales(norm: nn.Module) -> None:
                                   "scales into")
     if w.dtype not in _FLOAT_DTYPES:
         raise NotImplementedError(f"{type(norm).__name__}.weight has dtype {w.dtype}; cannot fold scales into it")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{type(norm).__name__}.weight contains NaN/inf; cannot fold smoothing scales into it")
     K = w.numel()
     bias = getattr(norm, "bias", None)
     bias = bias.detach().float() if isinstance(bias, torch.Tensor) else None
@@ -225,11 +227,13 @@ def find_smoothing_groups(layer: nn.Module) -> list[SmoothingGroup]:
         q, k, v, o = g("q", A), g("k", A), g("v", A), g("o", A)
         gate, up, down = g("gate", M), g("up", M), g("down", M)
         norm1, norm2 = _get(layer, lay["norm1"]), _get(layer, lay["norm2"])
-        for norm in (norm1, norm2):
+        for path, norm in ((lay["norm1"], norm1), (lay["norm2"], norm2)):
             try:
                 check_norm_absorbs_scales(norm)
             except NotImplementedError as err:
                 raise NotImplementedError(f"find_smoothing_groups({type(layer).__name__}): {err}") from None
+            except ValueError as err:
+                raise ValueError(f"find_smoothing_groups({type(layer).__name__}): {path}: {err}") from None
         if up.out_features != down.in_features:
             raise NotImplementedError(f"find_smoothing_groups({type(layer).__name__}): {M}.{lay['up']} has "
                                       f"{up.out_features} outputs but {M}.{lay['down']} {down.in_features} inputs")

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import torch
 
+from .layout import check_layout
 from .mx import dequantize_mx, quantize_mx
 from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from .s2f6 import dequantize_s2f6, quantize_s2f6
@@ -12,11 +13,34 @@ from .specs import MX, NVFP4, S2F6
 from .tensor import QuantizedTensor
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+OUTPUT_DTYPES = INPUT_DTYPES
+_FLOAT_NAMES = "torch.float32, torch.bfloat16, torch.float16, torch.float64"
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def check_fp32_range(x: torch.Tensor, name: str = "x") -> None:
+    """ValueError if float64 ``x`` holds a finite value beyond the FP32 range (|x| > FLT_MAX): the
+    kernels compute in FP32, where it would become inf (NaN / inf block scales)."""
+    if x.dtype != torch.float64 or not x.numel():
+        return
+    lo, hi = torch.aminmax(x)
+    amax = max(-float(lo), float(hi))
+    if amax > FLT_MAX:
+        raise ValueError(f"{name} ({x.dtype}) has max |{name}| = {amax:.6g}, outside the FP32 range "
+                         f"(|{name}| <= {FLT_MAX:.6g}) that blockscale computes in: rescale it first")
+
+
+def check_output_dtype(dtype) -> None:
+    """TypeError unless ``dtype`` is one of the floating dtypes results can be returned as."""
+    if not isinstance(dtype, torch.dtype) or dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"dtype={dtype!r} is not a supported output dtype; allowed: {_FLOAT_NAMES}")
 
 
 def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type == "meta":
+        raise ValueError("x is a meta tensor: meta tensors have no values to quantize (load or compute them first)")
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; blockscale quantizes floating tensors: "
                         "torch.float32, torch.bfloat16, torch.float16 (float64 is rounded to float32)")
@@ -26,6 +50,8 @@ def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"x contains {bad} NaN/inf value(s); block scales would be undefined "
                          "(pass check_finite=False to skip this check at your own risk)")
+    if check_finite:
+        check_fp32_range(x)
     # half-precision inputs go to the kernels as they are (converted to FP32 inside, chunk by chunk)
     return x.detach().to(torch.float32 if x.dtype == torch.float64 else x.dtype).contiguous()
 
@@ -56,7 +82,8 @@ def quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *,
     ``generator`` drives stochastic rounding (None: torch's default generator); results are
     deterministic for a given generator state. ``encode_scale`` (NVFP4 only): a fixed FP32 outer
     encode scale S for the whole tensor (shared by a fused group, or calibrated), replacing
-    ``spec.outer``.
+    ``spec.outer``: a one-element tensor or a Python float (rounded to FP32), positive, normal, finite.
+    ``check_finite``: refuse NaN / inf, and float64 values beyond the FP32 range (False skips both).
     """
     return _quantize(x, spec, generator, check_finite, "codes", encode_scale)
 
@@ -69,7 +96,12 @@ def quantize_with_values(x: torch.Tensor, spec, generator: torch.Generator | Non
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values of ``q`` in the original shape: computed in FP32, returned as ``dtype``."""
+    """The values of ``q`` in the original shape: computed in FP32, returned as ``dtype`` (a floating
+    dtype). ValueError if q's codes / scales do not fit its shape and spec (``layout.check_layout``)."""
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"q must be a blockscale.QuantizedTensor, got {type(q).__name__}")
+    check_output_dtype(dtype)
+    check_layout(q)
     if isinstance(q.spec, NVFP4):
         return dequantize_nvfp4(q, dtype)
     if isinstance(q.spec, MX):
@@ -80,6 +112,9 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
 def fake_quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, dtype=None,
                   check_finite: bool = True, encode_scale: torch.Tensor | None = None) -> torch.Tensor:
     """quantize then dequantize (same numerics, fused into one pass where possible); returns
-    ``dtype`` (default: x's dtype). ``encode_scale``: as in ``quantize``."""
+    ``dtype`` (default: x's dtype; one of float32, bfloat16, float16, float64). ``encode_scale``: as
+    in ``quantize``."""
+    if dtype is not None:
+        check_output_dtype(dtype)
     values = _quantize(x, spec, generator, check_finite, "values", encode_scale)
     return values.to(x.dtype if dtype is None else dtype)

@@ -1,10 +1,16 @@
 """MX formats (MXFP8 E4M3 / E5M2, MXFP4 E2M1): one UE8M0 scale per 32 values along ``spec.dim``.
 
-    k  = ceil(log2(block_amax / max_elem))      "ceil" (default; nothing saturates)
+    k  = ceil(log2(block_amax / max_elem))      "ceil" (default; nothing saturates below FLT_MAX)
        = floor(log2(block_amax)) - emax_elem     "floor" (OCP v1.0; elements saturate to ±max)
     k clamped to [-127, 127]; zero block -> k = -127. Stored b = k + 127 (uint8).
-    v  = round(x * 2**-k)                        RNE or stochastic, onto the element grid
+    v  = round(x * 2**-k)                        RNE or stochastic, onto the element grid, then
+         |v| <= v_lim(k) = min(max_elem, (2 - 2**-m) * 2**(127 - k))   (m mantissa bits)
     x^ = v * 2**k
+
+v_lim(k) is the largest element with v_lim * 2**k <= FLT_MAX: finite inputs give finite x^. It is
+below max_elem only for "ceil" blocks with k > 127 - emax_elem, i.e. amax > max_elem * 2**(127 -
+emax_elem) (2.98e38 E4M3 / E5M2, 2.55e38 E2M1), e.g. amax = FLT_MAX, E4M3: k = 120, 255.99 rounds
+to 256, saturated to v_lim = 240 (the peers give 256 * 2**120 = inf).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 
 from ..formats.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 from ..formats.fp8 import FP8_DTYPES, FP8_FORMATS, round_fp8
-from ..formats.minifloat import E2M1, mul_pow2
+from ..formats.minifloat import E2M1, mul_pow2, pow2
 from ..formats.ue8m0 import decode_ue8m0, encode_ue8m0, scale_exponent_ceil, scale_exponent_floor
 from .backend import fast_kernel, want_compiled, want_triton
 from .blocking import draw_random, pad_dim, random_from_bits, row_chunks
@@ -34,6 +40,18 @@ def block_exponent(amax: torch.Tensor, rule: str, max_elem: float, emax_elem: in
     return scale_exponent_floor(amax, emax_elem)
 
 
+def element_limit(k: torch.Tensor, element: str) -> torch.Tensor:
+    """v_lim(k) = min(max_elem, (2 - 2**-m) * 2**min(127 - k, emax_elem)) (FP32, k's shape): the
+    largest element v with v * 2**k <= FLT_MAX = (2 - 2**-23) * 2**127, for k in [-127, 127].
+
+    (2 - 2**-m) * 2**e is the top of binade e (a full binade below emax_elem); for k <= 127 -
+    emax_elem it is >= max_elem, so v_lim = max_elem there. Built exactly as 2**(e+1) - 2**(e-m).
+    """
+    e = torch.clamp(127 - k, max=_ELEMENT_EMAX[element])
+    m = E2M1.mbits if element == "e2m1" else FP8_FORMATS[element].mbits
+    return torch.clamp(pow2(e + 1) - pow2(e - m), max=_ELEMENT_MAX[element])
+
+
 def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str, outputs: str = "codes"):
     """Blocks [R, nb, 32] -> (codes [R, nb*32] float8, or [R, nb*16] packed uint8 for e2m1; b [R, nb]
     uint8; dequantized FP32 values [R, nb*32] when ``outputs`` is "values" or "both")."""
@@ -41,15 +59,16 @@ def _mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str, o
     amax = torch.abs(xb).amax(dim=-1, keepdim=True)
     k = block_exponent(amax, rule, _ELEMENT_MAX[element], _ELEMENT_EMAX[element])
     scaled = mul_pow2(xb, -k)
+    limit = element_limit(k, element) if rule == "ceil" else None  # "floor": k <= 127 - emax_elem
     r = xb.shape[0]
     codes = values = None
     if element == "e2m1":
-        c = encode_e2m1(scaled, rounding, rand, sr_mode)
+        c = encode_e2m1(scaled, rounding, rand, sr_mode, limit)
         if outputs != "values":
             codes = pack_nibbles(c.reshape(r, -1))
         v = decode_e2m1(c)
     else:
-        v = round_fp8(scaled, FP8_FORMATS[element], rounding, rand, sr_mode)
+        v = round_fp8(scaled, FP8_FORMATS[element], rounding, rand, sr_mode, limit)
         if outputs != "values":
             codes = v.to(FP8_DTYPES[element]).reshape(r, -1)
     if outputs != "codes":
@@ -209,4 +228,4 @@ def dequantize_mx(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> tor
     return out.reshape(shape)
 
 
-__all__ = ["quantize_mx", "dequantize_mx", "block_exponent", "FP8_FORMATS"]
+__all__ = ["quantize_mx", "dequantize_mx", "block_exponent", "element_limit", "FP8_FORMATS"]

@@ -29,6 +29,7 @@ from .specs import NVFP4
 from .tensor import QuantizedTensor
 
 FLT_MAX = torch.finfo(torch.float32).max
+FLT_MIN_NORMAL = 2.0**-126
 BLOCK = 16
 
 
@@ -187,7 +188,7 @@ def _outer(x3: torch.Tensor, spec: NVFP4, shape: torch.Size):
         amax_rows = amax.reshape(B * M)
     else:  # group: one per slice of dim 0
         G = shape[0] if ndim >= 2 else 1
-        per = x3.reshape(G, -1)
+        per = x3.reshape(G, x3.numel() // G if G else 0)  # not -1: ambiguous for empty tensors
         amax = abs_max(per, dim=-1)
         stored_shape = (G,) + (1,) * (ndim - 1) if ndim >= 2 else ()
         amax_rows = amax.repeat_interleave((B * M) // G) if G else amax
@@ -196,11 +197,38 @@ def _outer(x3: torch.Tensor, spec: NVFP4, shape: torch.Size):
     return amax_st, outer_scale(amax_st, bound), S_rows
 
 
-def _given_outer(x3: torch.Tensor, spec: NVFP4, encode_scale: torch.Tensor):
+def encode_scale_tensor(encode_scale, device=None) -> torch.Tensor:
+    """A given outer encode scale S as a 0-d FP32 tensor (on ``device``, default its own / CPU).
+
+    Accepts a one-element tensor (any float dtype, cast to FP32) or a Python float / int (rounded to
+    FP32 as ``torch.tensor(v, dtype=torch.float32)`` does). S must be positive, normal and finite:
+    x^ = q * s * (1/S) needs 1/S finite, which a subnormal S (or 0) would not give.
+    """
+    if isinstance(encode_scale, torch.Tensor):
+        if encode_scale.device.type == "meta":
+            raise ValueError("encode_scale is a meta tensor: meta tensors have no values (load or compute it first)")
+        if encode_scale.numel() != 1:
+            raise ValueError(f"encode_scale has shape {tuple(encode_scale.shape)}; expected one FP32 scalar "
+                             "(one outer scale per tensor: a one-element tensor or a Python float)")
+        S = encode_scale.detach().to(device=device or encode_scale.device, dtype=torch.float32).reshape(())
+    elif isinstance(encode_scale, (int, float)) and not isinstance(encode_scale, bool):
+        try:
+            value = float(encode_scale)
+        except OverflowError:  # an int beyond the float range
+            value = math.inf
+        S = torch.tensor(value, dtype=torch.float32, device=device)
+    else:
+        raise TypeError(f"encode_scale={encode_scale!r}: expected a Python float or a one-element tensor "
+                        "(the FP32 outer encode scale S)")
+    if not (bool(torch.isfinite(S)) and float(S) >= FLT_MIN_NORMAL):
+        raise ValueError(f"encode_scale={float(S)!r}: must be a positive, normal, finite FP32 scalar "
+                         f"(>= 2**-126, so that 1/S is finite)")
+    return S
+
+
+def _given_outer(x3: torch.Tensor, spec: NVFP4, encode_scale):
     """A fixed per-tensor encode scale S (e.g. a calibrated input scale read from a checkpoint)."""
-    S = encode_scale.detach().to(device=x3.device, dtype=torch.float32).reshape(())
-    if not (bool(torch.isfinite(S)) and float(S) > 0):
-        raise ValueError(f"encode_scale={float(S)!r}: must be a positive finite FP32 scalar")
+    S = encode_scale_tensor(encode_scale, x3.device)
     B, M, _ = x3.shape
     return torch.tensor(spec.outer_bound * 6.0, dtype=torch.float32, device=x3.device) / S, S, S.expand(B * M)
 
@@ -223,8 +251,9 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
     """Quantize finite ``x`` (FP32 / BF16 / FP16, any shape; kernels compute in FP32) to NVFP4.
     Use ``blockscale.quantize`` for checked input.
 
-    encode_scale: a given FP32 outer encode scale S (one per tensor) used instead of the one
-    ``spec.outer`` would compute; the stored amax is then bound*6/S.
+    encode_scale: a given FP32 outer encode scale S (one per tensor: a one-element tensor or a Python
+    float, see ``encode_scale_tensor``) used instead of the one ``spec.outer`` would compute; the
+    stored amax is then bound*6/S.
 
     outputs: "codes" -> QuantizedTensor; "values" -> the dequantized FP32 tensor only (fake
     quantization in one pass, nothing packed); "both" -> (QuantizedTensor, values).

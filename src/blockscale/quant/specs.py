@@ -80,7 +80,8 @@ class MX:
     """MX (OCP microscaling): one UE8M0 scale per 32 values along ``dim``.
 
     element: "e4m3" / "e5m2" (MXFP8) or "e2m1" (MXFP4).
-    scale_rule: "ceil" (TE / cuBLAS, torchao RCEIL: 2**ceil(log2(amax/max_elem)), never saturates)
+    scale_rule: "ceil" (TE / cuBLAS, torchao RCEIL: 2**ceil(log2(amax/max_elem)), saturating only
+      near FLT_MAX: an element is at most the largest v with v * scale <= FLT_MAX, so x^ stays finite)
       or "floor" (OCP v1.0: 2**(floor(log2 amax) - emax_elem), elements saturate).
     """
 
@@ -105,8 +106,10 @@ class S2F6:
     """S2F6: int8 x 2**-6 values in blocks of 32 with one UE8M0 scale, optionally after a 32-point
     random Hadamard rotation (signs drawn from ``seed``) that dequantize undoes.
 
-    scale_rule: "ceil" (default, 2**ceil(log2(amax / (127/64))), never saturates) or "floor"
+    scale_rule: "ceil" (default, 2**ceil(log2(amax / (127/64))), saturating only blocks with amax
+      above 127/64 * 2**127, where the exponent reaches its cap 127) or "floor"
       (OCP MXINT8: 2**floor(log2 amax), values saturate at ±127/64).
+    seed: an int in [-2**63, 2**64 - 1] (``torch.Generator.manual_seed``'s range).
     """
 
     hadamard: bool = True
@@ -122,6 +125,9 @@ class S2F6:
             raise ValueError(f"hadamard={self.hadamard!r}: expected True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r}: expected an int")
+        if not -(2**63) <= self.seed <= 2**64 - 1:
+            raise ValueError(f"seed={self.seed}: expected an int in [-2**63, 2**64 - 1] "
+                             "(the seeds torch.Generator.manual_seed accepts)")
         _check("scale_rule", self.scale_rule, MX_SCALE_RULES)
         _check_rounding(self.rounding, self.sr_mode)
 

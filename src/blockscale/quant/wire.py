@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import dequantize, fake_quantize, quantize
+from .dispatch import check_fp32_range, dequantize, fake_quantize, quantize
 from .hadamard import random_signs
 from .specs import MX, NVFP4, S2F6
 from .tensor import QuantizedTensor
@@ -87,6 +87,8 @@ def _check_x(x, payload: str) -> None:
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"x contains {bad} NaN/inf value(s); payload {payload!r} needs finite values "
                          "(payload 'bf16' sends them as they are)")
+    if payload != "bf16":
+        check_fp32_range(x)
 
 
 def _check_dtype(dtype) -> None:

@@ -11,6 +11,7 @@ from .recipe import OPERANDS, LinearRecipe, Recipe
 
 _SPEC_TYPES = {"nvfp4": NVFP4, "mx": MX, "s2f6": S2F6}
 _SPEC_NAMES = {v: k for k, v in _SPEC_TYPES.items()}
+MAX_RECIPE_BYTES = 1 << 20
 
 
 def spec_to_dict(spec) -> dict | None:
@@ -28,14 +29,44 @@ def spec_from_dict(d, where: str = "spec"):
         raise ValueError(f"{where}: expected a mapping with a 'format' key ({', '.join(_SPEC_TYPES)}) or null, got {d!r}")
     d = dict(d)
     fmt = d.pop("format")
-    if fmt not in _SPEC_TYPES:
+    if not isinstance(fmt, str) or fmt not in _SPEC_TYPES:
         raise ValueError(f"{where}: format={fmt!r}; allowed values: {', '.join(map(repr, _SPEC_TYPES))}")
     cls = _SPEC_TYPES[fmt]
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
+    unknown = set(map(str, d)) - names
     if unknown:
         raise ValueError(f"{where}: unknown {fmt} option(s) {sorted(unknown)}; allowed: {sorted(names)}")
-    return cls(**d)
+    return _build(cls, d, where)
+
+
+def _build(cls, kwargs: dict, where: str):
+    """``cls(**kwargs)``, a bad value reported as ValueError naming ``where``."""
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _check_types(d: dict, where: str) -> None:
+    """The plain fields of a recipe mapping have the types a Recipe holds."""
+    name = d.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{where}: name={name!r}; expected a non-empty string")
+    if not isinstance(d.get("description", ""), str):
+        raise ValueError(f"{where}: description={d['description']!r}; expected a string")
+    last = d.get("last_blocks_recipe")
+    if last is not None and not isinstance(last, str):
+        raise ValueError(f"{where}: last_blocks_recipe={last!r}; expected a built-in recipe name or null")
+    frac = d.get("last_blocks_fraction", 0.0)
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)):
+        raise ValueError(f"{where}: last_blocks_fraction={frac!r}; expected a number in [0, 1]")
+    exclude = d.get("exclude", [])
+    if isinstance(exclude, str) or not isinstance(exclude, (list, tuple)) or \
+            not all(isinstance(p, str) for p in exclude):
+        raise ValueError(f"{where}: exclude={exclude!r}; expected a list of regular expressions (strings)")
+    lin = d.get("linear")
+    if lin is not None and not isinstance(lin, dict):
+        raise ValueError(f"{where}.linear: expected a mapping, got {type(lin).__name__}")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
@@ -56,14 +87,15 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
     allowed = {f.name for f in dataclasses.fields(Recipe)}
-    unknown = set(d) - allowed
+    unknown = set(map(str, d)) - allowed
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
     if "name" not in d:
         raise ValueError(f"{where}: missing 'name'")
+    _check_types(d, where)
     lin = dict(d.get("linear") or {})
     lin_allowed = {f.name for f in dataclasses.fields(LinearRecipe)}
-    unknown = set(lin) - lin_allowed
+    unknown = set(map(str, lin)) - lin_allowed
     if unknown:
         raise ValueError(f"{where}.linear: unknown key(s) {sorted(unknown)}; allowed: {sorted(lin_allowed)}")
     for name in OPERANDS:
@@ -72,7 +104,7 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
     kw = {k: v for k, v in d.items() if k != "linear"}
     if "exclude" in kw:
         kw["exclude"] = tuple(kw["exclude"])
-    return Recipe(linear=LinearRecipe(**lin), **kw)
+    return _build(Recipe, {"linear": _build(LinearRecipe, lin, f"{where}.linear"), **kw}, where)
 
 
 def save_recipe(recipe: Recipe, path) -> None:
@@ -81,10 +113,21 @@ def save_recipe(recipe: Recipe, path) -> None:
 
 
 def load_recipe_file(path) -> Recipe:
-    """Read a recipe YAML file (safe loader; unknown keys and bad values raise ValueError)."""
+    """Read a recipe YAML file (safe loader; unknown keys, bad values, files over ``MAX_RECIPE_BYTES``,
+    nesting too deep to parse and text that is not UTF-8 raise ValueError naming the file)."""
     p = Path(path)
+    size = p.stat().st_size
+    if size > MAX_RECIPE_BYTES:
+        raise ValueError(f"{p}: {size:,} bytes; a recipe file is at most {MAX_RECIPE_BYTES:,}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ValueError(f"{p}: nested too deeply to be a recipe (the YAML parser's recursion limit)") from None
     except yaml.YAMLError as exc:
-        raise ValueError(f"{p}: not valid YAML: {exc}") from exc
-    return recipe_from_dict(data, where=str(p))
+        raise ValueError(f"{p}: not valid YAML: {exc}") from None
+    try:
+        return recipe_from_dict(data, where=str(p))
+    except RecursionError:
+        raise ValueError(f"{p}: nested too deeply to be a recipe") from None

@@ -1,27 +1,39 @@
-"""``python -m blockscale.train``: argparse -> TrainConfig -> train. Works under torchrun too.
+"""``python -m blockscale.train`` (also ``blockscale train``): argparse -> TrainConfig -> train. Works under
+torchrun too.
 
     python -m blockscale.train --data tinystories --model-preset tiny --steps 50 --out runs/x
     torchrun --nproc_per_node 2 -m blockscale.train --data shakespeare --steps 50 --out runs/ddp
 
-Every TrainConfig field is a flag (``--batch-size``, ``--lr``, ``--no-progress``, ...).
-Text is tokenized as UTF-8 bytes (vocab 256); the model is a Llama preset with that vocabulary.
+Every TrainConfig field is a flag (``--batch-size``, ``--lr``, ``--no-progress``, ...); every value is
+checked before training (finite floats, integers in range, a device this machine has, a writable --out).
+Text is tokenized as UTF-8 bytes (vocab 256); the model is a Llama preset with that vocabulary. The
+checkpoint records the recipe and the model config; ``--resume`` refuses a checkpoint recording others
+unless ``--force``. Errors print one line ``blockscale train: error: ...`` (exit 2: a bad flag, 1: a
+runtime error; ``--debug`` shows the traceback).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 import torch
 
+from ..cli_checks import MAX_THREADS, check_device, check_float, check_int, check_run_dir, flag_name
+from ..cli_errors import ArgumentParser, run_reported
+from ..errors import DataError, UsageError
 from ..quant.backend import BACKENDS
-from .data import BUILTIN, load_data
+from .data import BUILTIN, load_data, resolve_source
 from .distributed import env_world
-from .trainer import CheckpointError, TrainConfig, plot_losses, train
+from .trainer import TrainConfig, check_train_values, plot_losses, train
+
+PROG = "blockscale train"
+_FLAGS = {"out_dir": "--out"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m blockscale.train", description="Pretrain a small Llama on text.")
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description="Pretrain a small Llama on text.")
     p.add_argument("--data", required=True, help=f"a text file or a built-in corpus: {', '.join(BUILTIN)}")
     p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction of the tokens held out")
     p.add_argument("--model-preset", default="tiny", help="a blockscale.models.llama.PRESETS name")
@@ -33,9 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantizer kernels (compiled: torch.compile; triton: Triton kernels, which run on CUDA "
                         "tensors; both bit-identical to the reference)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt if present")
+    p.add_argument("--force", action="store_true",
+                   help="with --resume: continue even if the checkpoint records another recipe or model config")
     p.add_argument("--no-plot", action="store_true", help="do not write <out>/loss.png")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch's default; 1 is fastest for tiny models on busy cores)")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error (default: one line)")
     for f in dataclasses.fields(TrainConfig):
         if f.name == "out_dir":
             continue
@@ -50,8 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flag_label(name: str, value) -> str:
+    """How a TrainConfig value is named in errors: its flag and the value given (``--min-lr nan``)."""
+    shown = " ".join(f"{v:g}" for v in value) if isinstance(value, (tuple, list)) else \
+        f"{value:g}" if isinstance(value, float) else str(value)
+    return f"{_FLAGS.get(name, flag_name(name))} {shown}"
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    """The TrainConfig of the flags; a bad value is a UsageError naming its flag."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    check_train_values(values, label=_flag_label, error=UsageError)
+    return TrainConfig(**values)
 
 
 def build_model(preset: str, vocab_size: int, seq_len: int, seed: int) -> torch.nn.Module:
@@ -59,37 +84,78 @@ def build_model(preset: str, vocab_size: int, seq_len: int, seed: int) -> torch.
     from ..models.llama import PRESETS, Llama
 
     if preset not in PRESETS:
-        raise ValueError(f"model preset {preset!r}: expected one of {', '.join(PRESETS)}")
+        raise UsageError(f"--model-preset {preset!r}: expected one of {', '.join(PRESETS)}")
     base = PRESETS[preset]
     config = dataclasses.replace(base, vocab_size=vocab_size, max_seq_len=max(base.max_seq_len, seq_len))
     return Llama(config, seed=seed)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def _check_args(args):
+    """Every flag before any work: returns (TrainConfig, recipe or None)."""
+    from ..cli import resolve_recipe
+    from ..models.llama import PRESETS
+
+    check_int(args.threads, "--threads", 0, MAX_THREADS)
+    check_float(args.val_fraction, "--val-fraction", 0.0, 1.0, hi_open=True)
+    check_device(args.device, allow_auto=True)
+    cfg = config_from_args(args)
+    if args.model_preset not in PRESETS:
+        raise UsageError(f"--model-preset {args.model_preset!r}: expected one of {', '.join(PRESETS)}")
+    try:
+        resolve_source(args.data)
+    except FileNotFoundError as exc:
+        raise UsageError(f"--data {args.data}: {exc}") from None
+    recipe = resolve_recipe(args.recipe) if args.recipe else None
+    if cfg.out_dir:
+        check_run_dir(cfg.out_dir, "--out")
+    elif args.resume:
+        raise UsageError("--resume needs --out (the run folder holding ckpt.pt)")
+    return cfg, recipe
+
+
+def _load(args, cfg):
+    try:
+        data = load_data(args.data, val_fraction=args.val_fraction)
+    except ValueError as exc:
+        raise DataError(f"--data {args.data}: {exc}") from None
+    need = cfg.seq_len + 1
+    if data.train.numel() < need + 1:
+        raise DataError(f"--data {args.data} has {data.train.numel():,} training tokens: too few for --seq-len "
+                        f"{cfg.seq_len}")
+    if cfg.eval_batches and data.val.numel() < need + 1:
+        raise DataError(f"--data {args.data} holds out {data.val.numel():,} validation tokens (--val-fraction "
+                        f"{args.val_fraction:g}): too few for --seq-len {cfg.seq_len}; raise --val-fraction or pass "
+                        "--eval-batches 0")
+    return data
+
+
+def _run(args) -> int:
+    from ..recipes import recipe_to_dict
+
+    cfg, recipe = _check_args(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    try:
-        cfg = config_from_args(args)
-        data = load_data(args.data, val_fraction=args.val_fraction)
-        model = build_model(args.model_preset, data.vocab_size, cfg.seq_len, cfg.seed)
-        rank = env_world()[0]
-        if args.recipe:
-            from ..nn import convert
-            from ..quant import set_backend
+    data = _load(args, cfg)
+    model = build_model(args.model_preset, data.vocab_size, cfg.seq_len, cfg.seed)
+    record = {"recipe": recipe_to_dict(recipe) if recipe is not None else None,
+              "model": dataclasses.asdict(model.config)}
+    rank = env_world()[0]
+    if recipe is not None:
+        from ..nn import convert
+        from ..quant import set_backend
 
-            set_backend(args.backend)
-            report = convert(model, args.recipe)
-            if rank == 0:
-                print(report, flush=True)
+        set_backend(args.backend)
+        report = convert(model, recipe)
         if rank == 0:
-            n = sum(p.numel() for p in model.parameters())
-            print(f"model {args.model_preset}: {n:,} parameters; data {args.data}: "
-                  f"{data.train.numel():,} train / {data.val.numel():,} val tokens", flush=True)
-        result = train(model, data, cfg, resume=args.resume)
-    except (ValueError, FileNotFoundError, CheckpointError) as exc:
-        print(f"python -m blockscale.train: error: {exc}", file=sys.stderr)
-        return 2
+            print(report, flush=True)
+    if rank == 0:
+        n = sum(p.numel() for p in model.parameters())
+        print(f"model {args.model_preset}: {n:,} parameters; data {args.data}: "
+              f"{data.train.numel():,} train / {data.val.numel():,} val tokens", flush=True)
+    result = train(model, data, cfg, resume=args.resume, record=record, force=args.force)
+    for name, loss in (("train", result.final_train_loss), ("validation", result.final_val_loss)):
+        if loss is not None and not math.isfinite(loss):
+            raise DataError(f"training diverged: the final {name} loss is {loss} (lower --lr, check --data)")
     if rank == 0:
         print(f"done: step {result.step}, train loss {result.final_train_loss}, val loss {result.final_val_loss}")
         if cfg.out_dir and not args.no_plot and result.metrics_path is not None:
@@ -100,6 +166,11 @@ def main(argv=None) -> int:
             except ImportError:
                 print("matplotlib not installed: no loss plot")
     return 0
+
+
+def main(argv=None, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
+    return run_reported(prog, lambda: _run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -17,23 +17,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
-import zipfile
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 
+from .checkpoint import (CKPT_FORMAT, CheckpointError, _load_into, check_record, load_checkpoint,  # noqa: F401
+                         load_weights_only, save_atomic, save_checkpoint)
 from .data import derive_seed
 from .distributed import (DistInfo, all_reduce_mean, barrier, cleanup_distributed, env_world, no_sync,
                           setup_distributed, wrap_ddp)
 
 CKPT_NAME = "ckpt.pt"
 METRICS_NAME = "metrics.jsonl"
-CKPT_FORMAT = "blockscale.train/1"
 VAL_SEED = 0  # val batches do not depend on cfg.seed, so runs with different seeds compare on one set
 _RNG_TAG = 3  # derive_seed part for the per-step torch RNG (1, 2 are the data splits)
 
@@ -47,6 +48,8 @@ class TrainConfig:
     (0: only at the end). eval_batches: fixed val batches per evaluation (0: no evaluation).
     autocast: "auto" (bf16 on CUDA with bf16 support, else none) | "bf16" (also on CPU: opt-in,
     slow there) | "none". device: "auto" | "cpu" | "cuda" | "cuda:N". out_dir: None writes nothing.
+    Every value is checked (``check_train_values``): finite floats (lr > 0, 0 <= min_lr <= lr, betas in
+    [0, 1)), integers in range, batch_size * seq_len bounded; anything else is a ValueError naming the field.
     """
 
     steps: int = 1000
@@ -72,16 +75,11 @@ class TrainConfig:
     def __post_init__(self):
         if self.out_dir is not None:
             self.out_dir = str(self.out_dir)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise ValueError(f"TrainConfig.betas={self.betas!r}: expected two numbers in [0, 1)")
+        check_train_values({f.name: getattr(self, f.name) for f in fields(self)})
         self.betas = (float(self.betas[0]), float(self.betas[1]))
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)}: expected > 0")
-        for name in ("warmup_steps", "eval_interval", "eval_batches", "ckpt_interval", "grad_clip",
-                     "weight_decay", "min_lr"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)}: expected >= 0")
-        if self.autocast not in ("auto", "bf16", "none"):
-            raise ValueError(f"TrainConfig.autocast={self.autocast!r}: expected 'auto', 'bf16' or 'none'")
+        self.lr, self.min_lr = float(self.lr), float(self.min_lr)
 
     def to_dict(self) -> dict:
         """Plain primitives only (what checkpoints and config.json store)."""
@@ -106,8 +104,51 @@ class TrainResult:
     checkpoint_path: Optional[Path] = None
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file that cannot be read or does not fit the model / optimizer."""
+# bounds of TrainConfig's numbers: integers name -> (lowest, highest); floats name -> (lowest, lowest excluded)
+_INT_LIMITS = {"steps": (1, 1 << 31), "batch_size": (1, 1 << 16), "seq_len": (1, 1 << 20), "grad_accum": (1, 1 << 16),
+               "log_interval": (1, 1 << 31), "warmup_steps": (0, 1 << 31), "eval_interval": (0, 1 << 31),
+               "eval_batches": (0, 1 << 20), "ckpt_interval": (0, 1 << 31), "seed": (0, (1 << 63) - 1)}
+_FLOAT_LIMITS = {"lr": (0.0, True), "min_lr": (0.0, False), "weight_decay": (0.0, False), "grad_clip": (0.0, False)}
+MAX_BATCH_TOKENS = 1 << 24  # batch_size * seq_len tokens per micro step (logits: x vocabulary)
+DEVICE_NAMES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
+def _config_label(name: str, value) -> str:
+    return f"TrainConfig.{name}={value!r}"
+
+
+def check_train_values(values: dict, label: Callable[[str, object], str] = _config_label,
+                       error: type = ValueError) -> None:
+    """Raise ``error`` naming the first bad TrainConfig value: integers within ``_INT_LIMITS``, finite
+    floats within ``_FLOAT_LIMITS`` (lr > 0, 0 <= min_lr <= lr), betas two numbers in [0, 1),
+    batch_size * seq_len <= MAX_BATCH_TOKENS, a known autocast mode and device name. ``label(name, value)``
+    names a value in the message ("TrainConfig.lr=nan"; the command line passes "--lr nan")."""
+    for name, (lo, hi) in _INT_LIMITS.items():
+        v = values[name]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise error(f"{label(name, v)}: expected an integer")
+        if not lo <= v <= hi:
+            raise error(f"{label(name, v)}: expected an integer in [{lo}, {hi:,}]")
+    for name, (lo, strict) in _FLOAT_LIMITS.items():
+        v = values[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                (v <= lo if strict else v < lo):
+            raise error(f"{label(name, v)}: expected a finite number {'>' if strict else '>='} {lo:g}")
+    if values["min_lr"] > values["lr"]:
+        raise error(f"{label('min_lr', values['min_lr'])}: expected at most {label('lr', values['lr'])} (the "
+                    "cosine decays from lr to min_lr)")
+    betas = values["betas"]
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas):
+        raise error(f"{label('betas', tuple(betas))}: expected two finite numbers in [0, 1)")
+    tokens = values["batch_size"] * values["seq_len"]
+    if tokens > MAX_BATCH_TOKENS:
+        raise error(f"{label('batch_size', values['batch_size'])} x {label('seq_len', values['seq_len'])} = "
+                    f"{tokens:,} tokens per micro step: at most {MAX_BATCH_TOKENS:,}")
+    if values["autocast"] not in ("auto", "bf16", "none"):
+        raise error(f"{label('autocast', values['autocast'])}: expected 'auto', 'bf16' or 'none'")
+    device = values["device"]
+    if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", device):
+        raise error(f"{label('device', device)}: expected {DEVICE_NAMES}")
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
@@ -140,67 +181,6 @@ def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     return grad_norm(parameters)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(path: Union[str, Path], model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    cfg: TrainConfig, **extra) -> Path:
-    """Write {model, optimizer, step, rng, config, **extra} to ``path`` atomically (tmp + os.replace).
-    Everything is a tensor or a primitive, so ``torch.load(weights_only=True)`` reads it."""
-    path = Path(path)
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    obj = {"format": CKPT_FORMAT, "step": int(step), "model": model.state_dict(),
-           "optimizer": optimizer.state_dict(), "rng": rng, "config": cfg.to_dict(), **extra}
-    return save_atomic(path, obj)
-
-
-def save_atomic(path: Union[str, Path], obj: dict) -> Path:
-    """torch.save ``obj`` to ``path`` through a temporary file and os.replace (never half-written)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
-
-def load_weights_only(path: Union[str, Path]):
-    """``torch.load(path, weights_only=True)`` on CPU; CheckpointError when corrupt, truncated or holding
-    objects beyond tensors and plain data; FileNotFoundError when absent."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for bad zip / pickle data
-        if zipfile.is_zipfile(path) and "weights only" in str(exc).lower():
-            raise CheckpointError(f"checkpoint {path} holds objects that torch.load(weights_only=True) refuses "
-                                  f"(checkpoints may hold only tensors and plain data): {exc}") from exc
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and cannot be loaded "
-                              f"({type(exc).__name__}: {exc}); delete it to start over") from exc
-
-
-def load_checkpoint(path: Union[str, Path]) -> dict:
-    """Read a checkpoint with ``weights_only=True`` (tensors on CPU). Raises CheckpointError when the
-    file is corrupt, truncated or not a blockscale.train checkpoint; FileNotFoundError when absent."""
-    obj = load_weights_only(path)
-    missing = [k for k in ("step", "model", "optimizer", "rng", "config") if not isinstance(obj, dict) or k not in obj]
-    if missing or obj.get("format") != CKPT_FORMAT:
-        raise CheckpointError(f"{path} is not a {CKPT_FORMAT} checkpoint (missing {missing or ['format']})")
-    return obj
-
-
-def _load_into(obj, state_dict: dict, what: str, path: Path) -> None:
-    """obj.load_state_dict(state_dict), a mismatch reported as CheckpointError."""
-    try:
-        obj.load_state_dict(state_dict)
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {path} does not fit this {what}: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -263,10 +243,16 @@ def plot_losses(metrics_paths: dict, out_png: Union[str, Path], title: Optional[
 # ----------------------------------------------------------------------------- training
 
 def resolve_device(name: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
-    """"auto" -> cuda if available else cpu; under torchrun plain "cuda" means cuda:LOCAL_RANK."""
+    """"auto" -> cuda if available else cpu; under torchrun plain "cuda" means cuda:LOCAL_RANK.
+    ValueError for a name torch does not know or a CUDA device this machine lacks."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={name!r}: not a device name ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r}: CUDA is not available on this machine")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", local_rank if world_size > 1 else torch.cuda.current_device())
     return dev
@@ -332,25 +318,28 @@ class _Bar:
 
 def train(model: nn.Module, data, cfg: TrainConfig,
           optimizer_factory: Optional[Callable[[nn.Module, TrainConfig], torch.optim.Optimizer]] = None,
-          resume: bool = False) -> TrainResult:
+          resume: bool = False, *, record: Optional[dict] = None, force: bool = False) -> TrainResult:
     """Train ``model`` in place for ``cfg.steps`` optimizer steps; returns a TrainResult.
 
     optimizer_factory(model, cfg) -> optimizer (default ``make_optimizer``); the LR of every param
     group is set to get_lr(step) each step. resume: continue from ``out_dir/ckpt.pt`` if it exists
     (else start from scratch). Under torchrun (WORLD_SIZE > 1) joins the job, wraps the model in
     DDP, and only rank 0 writes files. Writes (if out_dir): metrics.jsonl, config.json, ckpt.pt.
+    record: plain data defining the run beyond ``cfg`` (the command line records {"recipe": recipe dict or
+    None, "model": model config}), saved in the checkpoint; on resume a checkpoint recording another one
+    raises CheckpointError naming the difference unless ``force`` (one without a record: a note).
     Side effect: reseeds the global torch RNG at every step (see the module docstring).
     """
     _, world, local = env_world()
     device = resolve_device(cfg.device, local, world)
     info = setup_distributed(str(device))
     try:
-        return _train(model, data, cfg, optimizer_factory, resume, info, device)
+        return _train(model, data, cfg, optimizer_factory, resume, info, device, record, force)
     finally:
         cleanup_distributed(info)
 
 
-def _train(model, data, cfg, optimizer_factory, resume, info, device) -> TrainResult:
+def _train(model, data, cfg, optimizer_factory, resume, info, device, record=None, force=False) -> TrainResult:
     out = Path(cfg.out_dir) if cfg.out_dir else None
     if resume and out is None:
         raise ValueError("resume=True needs cfg.out_dir")
@@ -361,6 +350,7 @@ def _train(model, data, cfg, optimizer_factory, resume, info, device) -> TrainRe
 
     model.to(device)
     state = load_checkpoint(ckpt_path) if resume and ckpt_path.exists() else None
+    note = check_record(state.get("record"), record, ckpt_path, force) if state is not None else None
     if state is not None:  # before DDP wraps the model (DDP broadcasts rank 0's weights)
         _load_into(model, state["model"], "model", ckpt_path)
     ddp_model = wrap_ddp(model, info, device)
@@ -389,6 +379,8 @@ def _train(model, data, cfg, optimizer_factory, resume, info, device) -> TrainRe
         if main:
             bar.log(f"resuming from {ckpt_path} at step {start_step}"
                     + (f"; config changed since (checkpoint values): {old}" if old else ""))
+            if note:
+                bar.log(note)
     elif resume and main:
         bar.log(f"no checkpoint in {out}; starting from scratch")
 
@@ -447,7 +439,8 @@ def _train(model, data, cfg, optimizer_factory, resume, info, device) -> TrainRe
             if out is not None and (last or (cfg.ckpt_interval and done % cfg.ckpt_interval == 0)):
                 if main:
                     save_checkpoint(ckpt_path, model, optimizer, done, cfg, world_size=info.world_size,
-                                    elapsed_s=elapsed0 + time.perf_counter() - t0)
+                                    elapsed_s=elapsed0 + time.perf_counter() - t0,
+                                    **({"record": record} if record is not None else {}))
                 barrier(info)
             bar.update(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
     finally:

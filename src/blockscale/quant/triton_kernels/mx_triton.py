@@ -8,6 +8,7 @@ Same numbers, bit for bit, as the reference in ``quant/mx.py``:
     k  = smallest k in [-127, 127] with max_elem * 2**k >= amax       "ceil" (zero block: -127)
        = clamp(floor(log2 amax) - emax_elem, -127, 127)               "floor" (amax < 2**-126: -127)
     v  = round(x * 2**h * 2**(-k-h)),  h = floor(-k/2)                (``mul_pow2``: two multiplies)
+         "ceil": |v| <= min(max_elem, 2**(e+1) - 2**(e-m)), e = min(127 - k, EC)  (``_element_limit``)
     x^ = v * 2**k                                                      (2**-127 for b = 0)
 
 Why it is bit-exact:
@@ -134,6 +135,14 @@ def _scale_exponent(amax, RULE: tl.constexpr, MC: tl.constexpr, EC: tl.constexpr
 
 
 @triton.jit
+def _element_limit(k, MBITS: tl.constexpr, EC: tl.constexpr, MAXV: tl.constexpr):
+    """The largest element v with v * 2**k <= FLT_MAX (``quant.mx.element_limit``), exactly:
+    min(MAXV, 2**(e+1) - 2**(e-MBITS)) with e = min(127 - k, EC); MAXV unless k > 127 - EC."""
+    e = tl.minimum(127 - k, EC)
+    return tl.minimum(_pow2(e + 1) - _pow2(e - MBITS), MAXV)
+
+
+@triton.jit
 def _mul_pow2(x, k):
     """x * 2**k as ``formats.minifloat.mul_pow2``: x * 2**h * 2**(k-h), h = floor(k/2)."""
     h = k >> 1  # arithmetic shift: floor
@@ -177,6 +186,8 @@ def _mx_block(x, rbits, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr
     scaled = _mul_pow2(x, -k)
     neg = scaled.to(tl.int32, bitcast=True) < 0  # sign bit, -0.0 included
     v = _round_magnitude(tl.abs(scaled), rbits, MBITS, EMIN, MAXV, ROUND)
+    if RULE == 0:  # "ceil" near FLT_MAX: x^ = v * 2**k stays finite ("floor" has k <= 127 - EC)
+        v = tl.minimum(v, _element_limit(k, MBITS, EC, MAXV))
     return v, neg, k
 
 

@@ -13,7 +13,9 @@ tensor never goes to memory. Same FP32 operations, in the same order, as
   ``floor(log2 amax) - emax_elem``; zero block -> -127;
 * ``x * 2**-k`` as the reference's two exact power-of-two multiplies (``minifloat.mul_pow2``);
 * element rounding by integer arithmetic on the FP32 bits (``nvfp4_triton._round_magnitude``),
-  saturating at the element max; codes written as float8 bit patterns (sign bit kept, -0.0 -> 0x80);
+  saturating at the element max, and for "ceil" at the largest element v with v * 2**k <= FLT_MAX
+  (``mx_triton._element_limit``, as ``quant.mx.element_limit``); codes written as float8 bit
+  patterns (sign bit kept, -0.0 -> 0x80);
 * launched with ``enable_fp_fusion=False``.
 
 Stochastic rounding draws ``tl.randint(seed, (offset + i) mod 2**32)`` with ``i = k * Mp + m`` the
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx_triton import _pow2, _round_magnitude, rounding_id
+from .mx_triton import _element_limit, _pow2, _round_magnitude, rounding_id
 from .nvfp4_triton import _per_row
 
 MX_BLOCK = 32
@@ -125,6 +127,8 @@ def _nvfp4_to_mx_t_kernel(
     else:
         rbits = 0
     v = _round_magnitude(tl.abs(scaled), rbits, MBITS, EMIN, MAXE, ROUND)
+    if RULE == 0:  # "ceil" near FLT_MAX: x^ = v * 2**k stays finite (EMAXE = floor(log2 MAXE))
+        v = tl.minimum(v, _element_limit(e, MBITS, EMAXE, MAXE))
     dst = (ko < K) & (mo < Mp)
     if WRITE_CODES:
         cb = _fp8_byte(v, MBITS, EMIN) | (neg.to(tl.int32) << 7)

@@ -1,0 +1,196 @@
+"""What PTQ will do to a model, decided and checked before any calibration runs: which Linears of the
+decoder layers become NVFP4, what stays in high precision (and its share of the decoder weights),
+finite parameters, smoothable layers, calibration token ids inside the vocabulary.
+
+Coverage is counted as ``blockscale.nn.coverage.weight_coverage`` counts it after quantization:
+quantized = in_features * out_features of every Linear PTQ converts; high precision = the elements
+of every other floating-point parameter of >= 2 dims a decoder-layer module owns (fused 3-D expert
+tensors, routers, excluded Linears). high_precision_fraction = high / (quantized + high).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import DataError, QuantizationError, UsageError
+from ..nn.coverage import Coverage, weight_coverage
+from ..nn.fused import fused_groups
+from .config import PTQConfig
+
+# above this share of the decoder-layer weight elements left in high precision, PTQ refuses to call
+# the result an NVFP4 model unless PTQConfig.allow_partial
+PARTIAL_LIMIT = 0.5
+# parameters checked for NaN/inf (float8 scales of layers that are already NVFP4 are checked on load)
+_CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class Plan:
+    """per_layer: per decoder layer, full name -> the nn.Linear to quantize; kept_high_precision:
+    decoder-layer modules left in high precision, then the Linears outside the decoder layers;
+    coverage: the decoder layers' weight elements after PTQ; warnings: per-Linear notes."""
+
+    per_layer: list[dict[str, nn.Linear]]
+    kept_high_precision: list[str]
+    coverage: Coverage
+    warnings: list[str] = field(default_factory=list)
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(re.search(p, name) for p in patterns)
+
+
+def _choose(layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[str]) -> dict[str, nn.Linear]:
+    chosen = {}
+    for n, m in layer.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        full = f"{lprefix}.{n}"
+        if _matches(full, config.exclude):
+            continue
+        if m.in_features % 16 and config.skip_indivisible:
+            warnings.append(f"{full}: in_features={m.in_features} is not a multiple of 16: kept in high precision")
+            continue
+        if m.in_features % 16:
+            raise QuantizationError(f"{full}: in_features={m.in_features} is not a multiple of 16, which NVFP4 "
+                                    "checkpoints need; keep it in high precision with exclude=[...] or "
+                                    "skip_indivisible=True")
+        chosen[full] = m
+    # serving engines load a fused group as one layer: all of it NVFP4 or none
+    names = [f"{lprefix}.{n}" for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+    for group in fused_groups(names):
+        part = [n for n in group if n in chosen]
+        if part and len(part) != len(group):
+            raise QuantizationError(f"fused modules {group}: only {part} would be quantized (exclude / "
+                                    "skip_indivisible keep the others in high precision); serving engines load "
+                                    "the group as one layer, so quantize all of them or none")
+    return chosen
+
+
+def plan_quantization(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQConfig) -> Plan:
+    """The Linears PTQ quantizes (every nn.Linear in the decoder layers not excluded) and the coverage
+    that leaves, as ``weight_coverage`` will count it afterwards."""
+    per_layer, kept, quantized, high, notes = [], [], {}, {}, []
+    for i, layer in enumerate(layers):
+        lprefix = f"{prefix}.{i}"
+        chosen = _choose(layer, lprefix, config, notes)
+        cov = weight_coverage(layer, lprefix)
+        layer_high = {n: v for n, v in cov.high_precision.items() if n not in chosen}
+        quantized.update(cov.quantized)
+        quantized.update({n: m.in_features * m.out_features for n, m in chosen.items()})
+        high.update(layer_high)
+        kept.extend(layer_high)
+        per_layer.append(chosen)
+    in_layers = {id(m) for d in per_layer for m in d.values()}
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear) and id(m) not in in_layers and n not in kept:
+            kept.append(n)
+    return Plan(per_layer, kept, Coverage(quantized, high), notes)
+
+
+def _largest(high: dict[str, int], k: int = 3) -> str:
+    """'N module(s): a (x elements), b (y elements), ...', the largest first."""
+    top = sorted(high.items(), key=lambda kv: -kv[1])
+    s = ", ".join(f"{n} ({v} elements)" for n, v in top[:k])
+    return f"{len(high)} module{'s' if len(high) != 1 else ''}: {s}" + (", ..." if len(high) > k else "")
+
+
+def coverage_line(coverage: Coverage) -> str:
+    """One line: the share of the decoder layers' weight elements left in high precision, and where."""
+    hp, total = coverage.high_precision_elements, coverage.quantized_elements + coverage.high_precision_elements
+    return (f"{100 * coverage.high_precision_fraction:.1f}% of the decoder layers' weight elements "
+            f"({hp} of {total}) stay in high precision, in {_largest(coverage.high_precision)}")
+
+
+def check_coverage(coverage: Coverage, config: PTQConfig) -> Optional[str]:
+    """The warning line when anything in the decoder layers stays in high precision (None otherwise);
+    QuantizationError when more than half of it would, unless ``config.allow_partial``."""
+    if not coverage.high_precision:
+        return None
+    if coverage.high_precision_fraction > PARTIAL_LIMIT and not config.allow_partial:
+        hp = coverage.high_precision_elements
+        total = coverage.quantized_elements + hp
+        raise QuantizationError(
+            f"{100 * coverage.high_precision_fraction:.1f}% of the decoder layers' weight elements ({hp} of {total}) "
+            f"would stay in high precision, in {_largest(coverage.high_precision)} (PTQ quantizes the nn.Linear "
+            "layers not excluded or skipped; fused 3-D expert tensors, routers and other parameters stay as they "
+            "are), so the result would not be an NVFP4 model; pass allow_partial=True (--allow-partial) to quantize "
+            "the rest anyway")
+    return coverage_line(coverage)
+
+
+def check_finite_parameters(layers: nn.ModuleList, prefix: str) -> None:
+    """QuantizationError naming the module and parameter when a decoder-layer parameter is NaN/inf."""
+    for i, layer in enumerate(layers):
+        for mname, m in layer.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                if p.dtype in _CHECKED_DTYPES and not bool(torch.isfinite(p.detach()).all()):
+                    raise non_finite_error(f"{prefix}.{i}" + (f".{mname}" if mname else ""), pname, p)
+
+
+def non_finite_error(module: str, param: str, p: torch.Tensor, when: str = "") -> QuantizationError:
+    bad = int((~torch.isfinite(p.detach())).sum())
+    return QuantizationError(f"{module}: {param} contains NaN/inf{when} ({bad} of {p.numel()} values); PTQ needs "
+                             "finite parameters: repair the checkpoint, or keep the module out of PTQ with "
+                             "exclude=[...] if it is a Linear")
+
+
+def check_smoothable(layers: nn.ModuleList, prefix: str, config: PTQConfig) -> None:
+    """AWQ / SmoothQuant fold scales into each layer's norms and Linears: QuantizationError naming the
+    layer when ``find_smoothing_groups`` does not understand it."""
+    from .smoothing import find_smoothing_groups
+
+    if config.method not in ("awq", "smoothquant"):
+        return
+    for i, layer in enumerate(layers):
+        try:
+            find_smoothing_groups(layer)
+        except (NotImplementedError, ValueError) as err:
+            raise QuantizationError(f"{prefix}.{i}: method={config.method!r} cannot smooth this layer: {err}; "
+                                    "use method='rtn' or 'gptq'") from err
+
+
+def vocab_size(model: nn.Module) -> Optional[int]:
+    """Rows of the model's input embedding: ``get_input_embeddings()``, else ``config.vocab_size``,
+    else its only nn.Embedding; None when none of these is known."""
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+        if isinstance(emb, nn.Embedding):
+            return emb.num_embeddings
+    n = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return n
+    embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return embs[0].num_embeddings if len(embs) == 1 else None
+
+
+def check_calibration(model: nn.Module, calibration, config: PTQConfig) -> None:
+    """Calibration ids: a non-empty [n, T] long tensor of ids in [0, vocabulary size)."""
+    if calibration is None:
+        raise UsageError(f"method={config.method!r} with activations={config.activations!r} needs calibration "
+                         "token ids (calibration=[n, T] tensor)")
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
+        what = (f"{tuple(calibration.shape)} {calibration.dtype}" if isinstance(calibration, torch.Tensor)
+                else type(calibration).__name__)
+        raise DataError(f"calibration must be a [n, T] long tensor, got {what}")
+    n, t = calibration.shape
+    if n == 0 or t == 0:
+        raise DataError(f"calibration has shape ({n}, {t}): need at least one sequence of at least one token")
+    vocab = vocab_size(model)
+    if vocab is not None:
+        lo, hi = int(calibration.min()), int(calibration.max())
+        if lo < 0 or hi >= vocab:
+            raise DataError(f"calibration token ids must be in [0, {vocab}) (the model's vocabulary size is "
+                            f"{vocab}); got min {lo}, max {hi}")
+
+
+__all__ = ["PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_finite_parameters",
+           "check_smoothable", "coverage_line", "non_finite_error", "plan_quantization", "vocab_size"]
