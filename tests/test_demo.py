@@ -28,6 +28,7 @@ def test_demo_on_stories260k(tmp_path, capsys):
     assert "| NVFP4 RTN + learned scales (8 scale-only steps) |" in text
     assert "kept in high precision" in text  # stories260K's down_proj (in_features 172)
     assert (out / "checkpoint-compressed-tensors" / "model.safetensors").is_file()
+    assert "NVFP4 weights" in text and "(largest: model.embed_tokens.weight fp32 131.1 kB)" in text  # what the size is
 
 
 @pytest.mark.parametrize("kw,match", [(dict(lsq_steps=-1), "lsq_steps"), (dict(lsq_lr=0.0), "lsq_lr"),

@@ -96,14 +96,54 @@ def warn(prog: str, message: str) -> None:
     print(f"{prog}: warning: {one_line(message)}", file=sys.stderr, flush=True)
 
 
+_FLAG_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,
+                 argparse._HelpAction, argparse._VersionAction)
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether ``--help`` should state ``action``'s default: an option taking a value whose default is
+    neither None nor False (on/off flags and --help / --version have none to show)."""
+    return (bool(action.option_strings) and not isinstance(action, _FLAG_ACTIONS)
+            and action.default not in (None, False, argparse.SUPPRESS))
+
+
+def default_text(value) -> str:
+    """A default as ``--help`` shows it: 0.003 -> ``0.003``, (0.9, 0.95) -> ``0.9 0.95``."""
+    if isinstance(value, (tuple, list)):
+        return " ".join(default_text(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that states every default: ``(default: X)`` is appended to an option's help unless the text
+    already shows X (choices are listed by argparse or by the option's metavar)."""
+
+    def _format_action(self, action):
+        if shows_default(action):
+            text = default_text(action.default)
+            words = re.findall(r"[^\s(),:;]+", action.help or "")
+            if text not in words and text.replace(" ", "") not in words:
+                saved = action.help
+                action.help = ((saved or "").replace("%", "%%") + f" (default: {text.replace('%', '%%')})").strip()
+                try:
+                    return super()._format_action(action)
+                finally:
+                    action.help = saved
+        return super()._format_action(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``<prog>: error: <message> (see <prog> --help)``, exit code 2.
-    Subparsers made with ``add_subparsers`` are of this class too."""
+    """argparse with one-line errors: ``<prog>: error: <message> (see <prog> --help)``, exit code 2, and
+    ``HelpFormatter``. Subparsers made with ``add_subparsers`` are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         print(f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr, flush=True)
         sys.exit(EXIT_USAGE)
 
 
-__all__ = ["ArgumentParser", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_USAGE", "cli_wording", "describe", "one_line",
+__all__ = ["ArgumentParser", "HelpFormatter", "default_text", "shows_default", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_USAGE", "cli_wording", "describe", "one_line",
            "run_reported", "warn"]

@@ -13,7 +13,17 @@ from pathlib import Path
 
 from .cli_checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, check_device,
                          check_model, check_out, check_product, check_run_dir, check_text, number)
+from .cli_ptq import quantize_reported, skip_indivisible
 from .errors import UsageError
+
+DEFAULT_LR_SCALES = 3e-3  # docs/results/scale-learning.md
+
+
+def scales_stuck(steps_per_scale_step: float, steps: int) -> bool:
+    """Whether the run is too short for a typical block scale to move by one E4M3 step at all
+    (``lsq.steps_per_scale_step``'s estimate exceeds ``--steps``): then --lr-scales is too small."""
+    return steps_per_scale_step > steps
+
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -91,9 +101,11 @@ def cmd_learn_scales(args) -> int:
         student_lm = copy.copy(teacher_lm)
         student_lm.model = copy.deepcopy(teacher_lm.model)
         cfg = PTQConfig(method="rtn", scale_rule=args.scale_rule, activations="w4a4" if args.w4a4 else "w4a16",
-                        skip_indivisible=args.skip_indivisible, n_samples=args.n_samples, seq_len=args.seq_len)
-        ptq_report = calibrate_and_quantize(student_lm.model, teacher_lm.tokenizer, cfg, defaults.calib,
-                                            defaults.calib_bos, progress=show_progress()).to_dict()
+                        skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
+                        n_samples=args.n_samples, seq_len=args.seq_len)
+        ptq_report = quantize_reported("blockscale learn-scales", lambda: calibrate_and_quantize(
+            student_lm.model, teacher_lm.tokenizer, cfg, defaults.calib, defaults.calib_bos,
+            progress=show_progress()), defaulted=args.skip_indivisible is None).to_dict()
         weights = teacher_lm.model  # RTN of these weights: the step-0 model equals the PTQ model
     if teacher_lm.tokenizer is None:
         raise UsageError(f"learn-scales trains on text, but {teacher_name} has no tokenizer (save one next to the "
@@ -104,7 +116,8 @@ def cmd_learn_scales(args) -> int:
     if main_rank:
         print(f"median block amax {med:.3g}: at --lr-scales {args.lr_scales:g} (Adam moves an amax by about that "
               f"much per step) a typical block scale needs ~{n_steps:.0f} steps to move by one E4M3 step"
-              + ("; consider a larger --lr-scales (docs/lsq.md)" if n_steps > args.steps / 4 else ""), flush=True)
+              + ("; consider a larger --lr-scales (docs/lsq.md)" if scales_stuck(n_steps, args.steps) else ""),
+              flush=True)
     tokens = calibration_batches(teacher_lm.tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
                                  seed=args.seed, bos=defaults.calib_bos)
     dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=args.lr_scales, lr_weights=args.lr_weights,
@@ -132,7 +145,8 @@ def cmd_learn_scales(args) -> int:
     if not main_rank:
         return 0
     ppl("after")
-    report["perplexity"] = evals
+    if evals:  # as in quantize's ptq_report.json: no key without --eval (the metadata says null)
+        report["perplexity"] = evals
     lsq.freeze(student_lm.model)
     meta = {"model": teacher_name,  # a summary; details: lsq_report.json
             "scale_learning": {"mode": args.mode, "train": args.train, "steps": args.steps,
@@ -147,7 +161,7 @@ def cmd_learn_scales(args) -> int:
 
 
 def add_learn_scales(sub) -> None:
-    from .cli import add_common
+    from .cli import add_common, add_skip_indivisible
     from .lsq import LSQ_MODES
 
     p = sub.add_parser("learn-scales", help="learn NVFP4 block scales by distillation from the full-precision model",
@@ -163,7 +177,8 @@ def add_learn_scales(sub) -> None:
     p.add_argument("--mode", default="tied", choices=LSQ_MODES)
     p.add_argument("--train", default="scales", choices=("scales", "all"), help="scales only, or weights too")
     number(p, "--steps", int, lo=1, hi=MAX_STEPS, default=100)
-    number(p, "--lr-scales", float, lo=0.0, lo_open=True, default=1e-4)
+    number(p, "--lr-scales", float, lo=0.0, lo_open=True, default=DEFAULT_LR_SCALES,
+           help="Adam learning rate of the block amaxes (the value of docs/results/scale-learning.md)")
     number(p, "--lr-weights", float, lo=0.0, default=1e-5)
     number(p, "--temperature", float, lo=0.0, lo_open=True, default=1.0)
     number(p, "--ce-weight", float, lo=0.0, default=0.0, help="weight of the next-token loss mixed into T^2 KL")
@@ -174,7 +189,7 @@ def add_learn_scales(sub) -> None:
     number(p, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=256)
     p.add_argument("--scale-rule", default="6", choices=("6", "4over6", "sweep"), help="RTN init (model names only)")
     p.add_argument("--w4a4", action="store_true", help="RTN init with NVFP4 activations (model names only)")
-    p.add_argument("--skip-indivisible", action="store_true")
+    add_skip_indivisible(p)
     p.add_argument("--eval", nargs="?", const="default", help="perplexity before and after (optional source)")
     number(p, "--max-eval-tokens", int, lo=2, hi=MAX_EVAL_TOKENS)
     p.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "modelopt"))
@@ -193,4 +208,4 @@ def add_learn_scales(sub) -> None:
     p.set_defaults(func=cmd_learn_scales)
 
 
-__all__ = ["add_learn_scales", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]
+__all__ = ["DEFAULT_LR_SCALES", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import lsq
-from .export import export_checkpoint, load_checkpoint
+from .export import export_checkpoint, load_checkpoint, size_breakdown
 from .ptq.pipeline import open_model as load_model
 from .ptq import PTQConfig
 from .ptq.pipeline import default_texts, evaluate_ppl, quantized_copy, record_dict
@@ -45,6 +45,7 @@ def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_token
     out = Path(out_dir)
     created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
+    print(f"demo: writing checkpoints and report.json to {out.resolve()}", flush=True)
     try:
         return _run(model, out, eval_tokens, n_samples, seq_len, best, lsq_steps, lsq_lr, t_start)
     except BaseException:
@@ -132,6 +133,9 @@ def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best:
         print(f"kept in high precision (excluded by default, or in_features not a multiple of 16): {', '.join(kept)}")
     print(f"\nreloaded logits equal the in-memory quantized model's bit for bit: {same}")
     print(f"checkpoint: {ckpt} ({size / 1e6:.1f} MB of safetensors; vLLM: `vllm serve {ckpt}`)")
+    sizes = size_breakdown(ckpt)
+    hint = " (`blockscale quantize --dtype bfloat16` halves the fp32 part)" if "fp32" in str(sizes) else ""
+    print(f"  {sizes}{hint}")
     report = {"model": model, "eval": record_dict(fp), "rows": reports, "reloaded_ppl": record_dict(rec),
               "reloaded_logits_bit_identical": same, "checkpoint": str(ckpt), "seconds": time.time() - t_start}
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))

@@ -12,8 +12,9 @@ and E4M3 block scales in both.
 from .checkpoint import REPORT_FILE, export_checkpoint
 from .common import FORMATS, CheckpointError, is_blockscale_export
 from .load import checkpoint_format, load_checkpoint
+from .summary import SizeBreakdown, size_breakdown
 
 load = load_checkpoint
 
-__all__ = ["CheckpointError", "FORMATS", "REPORT_FILE", "checkpoint_format", "export_checkpoint",
-           "is_blockscale_export", "load", "load_checkpoint"]
+__all__ = ["CheckpointError", "FORMATS", "REPORT_FILE", "SizeBreakdown", "checkpoint_format", "export_checkpoint",
+           "is_blockscale_export", "load", "load_checkpoint", "size_breakdown"]

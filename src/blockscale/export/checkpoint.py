@@ -146,11 +146,21 @@ def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt) -> dict[s
     return out
 
 
+# compressed-tensors' runtime (0.20.1) decompresses NVFP4 weights to bfloat16 whatever the model dtype
+# (``unpack_fp4_from_uint8`` defaults to bf16), so transformers' default ``dtype="auto"`` (= config.json's
+# dtype) must be bfloat16 for the first forward to run; our own loader reads ``blockscale.dtype`` instead.
+SERVING_DTYPE = {compressed_tensors.NAME: torch.bfloat16}
+USE_CACHE_ATTR = "blockscale_use_cache"  # the model's own use_cache, set by models.hf.load_model
+
+
 def _config_json(model: nn.Module, dtype: torch.dtype, qcfg: dict) -> dict:
     cfg = copy.deepcopy(model.config)
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
     cfg.dtype = dtype
+    own = getattr(model, USE_CACHE_ATTR, None)
+    if isinstance(own, bool) and hasattr(cfg, "use_cache"):
+        cfg.use_cache = own
     cfg.architectures = [type(model).__name__]
     d = json.loads(cfg.to_json_string(use_diff=True))
     d["quantization_config"] = qcfg
@@ -170,7 +180,11 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     ``ignore`` / ``exclude_modules`` (embeddings are not listed: no engine quantizes them); the report
     lists all of them with element counts and ``quantization_config.blockscale.high_precision_fraction``
     = H / (Q + H) (Q NVFP4 weight elements, H high-precision ones, tied tensors counted once).
-    Non-quantized tensors keep the model's dtype; tied embeddings are written once.
+    Non-quantized tensors keep the model's dtype (recorded as ``quantization_config.blockscale.dtype``,
+    which ``load_checkpoint`` uses by default); tied embeddings are written once. For compressed-tensors
+    config.json's ``dtype`` is bfloat16, the dtype compressed-tensors' runtime decompresses to, so plain
+    ``AutoModelForCausalLM.from_pretrained(dir)`` runs (in bf16); ModelOpt's keeps the model dtype.
+    config.json's ``use_cache`` is the model's own (``models.hf.load_model`` turns it off for evaluation).
     Fused siblings (q/k/v, gate/up, w1/w3) must share one outer scale (ValueError otherwise).
     Files: safetensors (sharded above ``max_shard_size`` with ``model.safetensors.index.json``),
     config.json (+ ``quantization_config``), generation_config.json, tokenizer files (if ``tokenizer``),
@@ -225,7 +239,8 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     dtype = model_dtype(model)
     producer = {"name": PRODUCER, "version": version}
     bs_meta = {"version": version, "format": fmt_name, "scheme": "NVFP4" if w4a4 else "NVFP4A16",
-               "activations": "W4A4" if w4a4 else "W4A16", "tensor_digests": "sha256"}
+               "activations": "W4A4" if w4a4 else "W4A16", "tensor_digests": "sha256",
+               "dtype": str(dtype).removeprefix("torch.")}
     if w4a4:
         bs_meta.update(_activation_meta(quantized))
     bs_meta["high_precision_fraction"] = elements["high_precision_fraction"]
@@ -237,7 +252,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         qcfg = compressed_tensors.quantization_config(w4a4, ignore, bs_meta)
     else:
         qcfg = modelopt.quantization_config(w4a4, ignore, producer, bs_meta)
-    config_json = _config_json(model, dtype, qcfg)
+    config_json = _config_json(model, SERVING_DTYPE.get(fmt_name, dtype), qcfg)
     tensors = _tensors(model, quantized, fmt)
 
     with atomic_directory(out_dir, overwrite) as tmp:

@@ -72,9 +72,12 @@ def _quant_spec(root: Path, fmt_name: str, cfg: dict) -> tuple[dict, dict]:
         raise CheckpointError(f"{root / (e.file or CONFIG_FILE)}: {e}") from None
 
 
-def _resolve_dtype(dtype, cfg: dict) -> tuple[torch.dtype, bool]:
-    """(dtype of the non-quantized tensors, whether the caller chose it)."""
+def _resolve_dtype(dtype, cfg: dict, bs: dict) -> tuple[torch.dtype, bool]:
+    """(dtype of the non-quantized tensors, whether the caller chose it); default: the model dtype
+    recorded in ``quantization_config.blockscale.dtype``, else config.json's ``dtype``."""
     if dtype is None:
+        if bs.get("dtype"):
+            return getattr(torch, bs["dtype"]), False
         return schema.model_dtype(cfg) or torch.float32, False
     d = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
     if d not in LOAD_DTYPES:
@@ -280,7 +283,8 @@ def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtyp
     """Load a checkpoint written by ``export_checkpoint`` (either format) as a transformers causal LM
     with ``NVFP4Linear`` modules, in eval mode.
 
-    dtype: of the non-quantized weights and activations (default: config.json's ``dtype``); floating
+    dtype: of the non-quantized weights and activations (default: ``quantization_config.blockscale.dtype``,
+      the exported model's dtype, else config.json's ``dtype``); floating
       tensors stored in another dtype are cast only when ``dtype`` is given explicitly.
     verify: check the SHA-256 digests of every tensor and of config.json that our exports record
       (checkpoints of other producers have none and load without); ``False`` skips only that check.
@@ -301,7 +305,7 @@ def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtyp
         schema.check_model_config(cfg)
     except schema.ConfigError as e:
         raise CheckpointError(f"{config_path}: {e}") from None
-    dtype, explicit = _resolve_dtype(dtype, cfg)
+    dtype, explicit = _resolve_dtype(dtype, cfg, bs)
 
     shards = Shards(root)
     try:

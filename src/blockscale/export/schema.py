@@ -168,7 +168,8 @@ def layer_count(cfg: dict) -> Optional[tuple[str, int]]:
 # ---- quantization_config.blockscale ------------------------------------------------------------------
 def blockscale_section(qcfg: Any) -> dict:
     """Our section of ``quantization_config`` (absent in other producers' checkpoints), checked:
-    {"input_scale_rule", "input_error", "input_overrides": {module: {...}}, "tensor_digests"}."""
+    {"input_scale_rule", "input_error", "input_overrides": {module: {...}}, "tensor_digests", "dtype"}
+    (``dtype``: the model dtype of the non-quantized tensors, when config.json's is a serving dtype)."""
     from .writer import DIGEST_ALGO, DIGEST_MARKER  # (writer imports the format modules, which import this one)
 
     key = "quantization_config.blockscale"
@@ -185,6 +186,7 @@ def blockscale_section(qcfg: Any) -> dict:
                                           f"{key}.input_overrides[{short(n)}]")
                               for n, o in over.items()}
     out["tensor_digests"] = string(bs.get(DIGEST_MARKER), f"{key}.{DIGEST_MARKER}", allowed=(DIGEST_ALGO,))
+    out["dtype"] = string(bs.get("dtype"), f"{key}.dtype", allowed=MODEL_DTYPES)
     return out
 
 

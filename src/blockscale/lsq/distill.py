@@ -134,9 +134,10 @@ def _batch(tokens: torch.Tensor, cfg: DistillConfig, step: int, micro: int, info
 
 @torch.no_grad()
 def eval_next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int = 4,
-                         seq_len: Optional[int] = None, info: DistInfo = DistInfo()) -> float:
+                         seq_len: Optional[int] = None, info: DistInfo = DistInfo(), progress: bool = False) -> float:
     """Mean next-token cross entropy of ``model`` on the windows ``tokens`` [n, T] (first ``seq_len``
-    tokens of each; rows split over ranks, token-weighted mean over ranks)."""
+    tokens of each; rows split over ranks, token-weighted mean over ranks); ``progress``: its own bar
+    ("evaluation", removed when done)."""
     was = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -144,7 +145,12 @@ def eval_next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int
     rows = x_all[info.rank::info.world_size]
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
-    for i in range(0, rows.shape[0], batch_size):
+    starts = range(0, rows.shape[0], batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="evaluation", unit="batch", leave=False, dynamic_ncols=True)
+    for i in starts:
         x = rows[i:i + batch_size].long().to(device)
         lg = _logits(model(x)).float()
         total += F.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").double()
@@ -330,7 +336,8 @@ def _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info,
             periodic = cfg.eval_every > 0 and done % cfg.eval_every == 0
             eval_loss = None
             if eval_tokens is not None and cfg.eval_every > 0 and (periodic or last):
-                eval_loss = eval_next_token_loss(ddp, eval_tokens, cfg.batch_size, None, info)
+                eval_loss = eval_next_token_loss(ddp, eval_tokens, cfg.batch_size, None, info,
+                                                 progress=progress and main)
                 student.eval()
             if done % cfg.log_every == 0 or last or eval_loss is not None:
                 row = {"step": done, "loss": loss_v, "kl": kl_v, "ce": ce_v, "lr": cfg.lr_scales,

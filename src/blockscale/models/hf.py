@@ -20,6 +20,7 @@ import torch
 from ..errors import CheckpointError, UsageError
 from ..paths import data_root, resolves_inside
 from .llama import Llama
+from .stories260k import transformers_tokenizer
 from .stories260k import load_stories260k, load_tokenizer
 
 BUILTIN_MODELS = {
@@ -107,8 +108,10 @@ def _smollm2_dir() -> Path:
 
 
 def stories260k_tokenizer() -> Tokenizer:
+    """tok512, with its transformers equivalent (``stories260k.transformers_tokenizer``) as ``hf``, so
+    exported checkpoints carry a tokenizer other tools load (``AutoTokenizer.from_pretrained(dir)``)."""
     tok = load_tokenizer(data_root() / "stories260K" / "tok512.bin")
-    return Tokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id)
+    return Tokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id, hf=transformers_tokenizer(tok))
 
 
 def _quantization_config(d: Path) -> Optional[dict]:
@@ -210,6 +213,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
         tok = None  # a local weights-only directory: quantizing with RTN W4A16 still works
     model = model.to(device).eval()
     if getattr(model.config, "use_cache", None) is not None:
+        model.blockscale_use_cache = bool(model.config.use_cache)  # export_checkpoint writes it back
         model.config.use_cache = False
     return LoadedModel(model, tok, str(name_or_path))
 

@@ -226,3 +226,42 @@ class Tok512:
 def load_tokenizer(path: PathLike) -> Tok512:
     """Load a llama2.c tokenizer file (e.g. tok512.bin)."""
     return Tok512(path)
+
+
+# ---- the same tokenizer as a transformers (``tokenizers``) one, saved next to exported checkpoints ----
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2 (tok512 spells BOS / EOS "\n<s>\n" / "\n</s>\n")
+
+
+def _merges(tok: Tok512) -> list[tuple[str, str]]:
+    """BPE merges equivalent to Tok512's rule: every split (a, b) of an ordinary token t = a + b into two
+    ordinary tokens, ranked by t's score (highest first; tok512's scores are distinct)."""
+    vocab = {p.decode("utf-8"): i for p, i in tok._ids.items()}
+    out = []
+    for t, i in vocab.items():
+        for k in range(1, len(t)):
+            if t[:k] in vocab and t[k:] in vocab:
+                out.append((-tok.scores[i], k, (t[:k], t[k:])))
+    return [m for _, _, m in sorted(out)]
+
+
+def transformers_tokenizer(tok: Tok512):
+    """A ``transformers.PreTrainedTokenizerFast`` giving Tok512's ids: a ``tokenizers`` BPE over the whole
+    text (no pre-tokenizer) with byte fallback, the dummy-prefix space prepended by the normalizer, BOS 1 /
+    EOS 2 / UNK 0 special (not split from text: ``split_special_tokens``), decoding byte-fallback tokens to
+    bytes and dropping the first token's leading space. Ties between two different merges that make the
+    same token at overlapping positions are broken by rank here and by position in Tok512 (no such pair
+    exists in tok512: every token's splits into two ordinary tokens are ranked together)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"<0x{b:02X}>": _BYTE0 + b for b in range(256)})
+    vocab.update({p.decode("utf-8"): i for p, i in tok._ids.items()})
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=_merges(tok), unk_token="<unk>", byte_fallback=True,
+                                  fuse_unk=False))
+    raw.normalizer = normalizers.Prepend(" ")
+    raw.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   add_bos_token=False, add_eos_token=False, split_special_tokens=True,
+                                   clean_up_tokenization_spaces=False, model_max_length=512)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import warnings
 from typing import Callable
 
@@ -102,8 +103,23 @@ def _raise_recompile_limit(at_least: int = 64) -> None:
             setattr(dynamo_config, name, at_least)
 
 
+COMPILE_NOTICE = "blockscale: compiling kernels (first run only) ..."
+
+
+def announce_compile() -> bool:
+    """Print ``COMPILE_NOTICE`` to stderr once per process, when the first blockscale kernel is about to be
+    compiled (its first call: 25-75 s on CPU with a cold cache); ``BLOCKSCALE_QUIET=1`` silences it.
+    Returns whether it printed."""
+    if _state.get("compile_announced") or os.environ.get("BLOCKSCALE_QUIET", "0") not in ("", "0"):
+        return False
+    _state["compile_announced"] = True
+    print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+    return True
+
+
 def fast_kernel(fn: Callable) -> Callable:
-    """``fn`` compiled with torch.compile; on a compile failure: one warning, then ``fn`` itself."""
+    """``fn`` compiled with torch.compile; on a compile failure: one warning, then ``fn`` itself. The first
+    call of the first kernel compiled in a process prints ``COMPILE_NOTICE`` (``announce_compile``)."""
     compiled = None
 
     @functools.wraps(fn)
@@ -114,6 +130,8 @@ def fast_kernel(fn: Callable) -> Callable:
         if compiled is None:
             _raise_recompile_limit()
             compiled = torch.compile(fn)
+            if not torch.compiler.is_compiling():
+                announce_compile()
         try:
             return compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the reference

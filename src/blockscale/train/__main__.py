@@ -23,20 +23,34 @@ import torch
 from ..cli_checks import MAX_THREADS, check_device, check_float, check_int, check_run_dir, flag_name
 from ..cli_errors import ArgumentParser, run_reported
 from ..errors import DataError, UsageError
+from ..models.llama import PRESETS
 from ..quant.backend import BACKENDS
 from .data import BUILTIN, load_data, resolve_source
 from .distributed import env_world
-from .trainer import TrainConfig, check_train_values, plot_losses, train
+from .trainer import TrainConfig, check_train_values, train
 
 PROG = "blockscale train"
 _FLAGS = {"out_dir": "--out"}
+_CHOICES = {"autocast": ("auto", "bf16", "none")}
+_HELP = {"autocast": "bf16 autocast: auto (on CUDA with bf16 support), bf16 (also on CPU: slow) or none",
+         "device": "auto, cpu, cuda or cuda:N",
+         "warmup_steps": "linear LR warmup steps (a warmup >= --steps warns: the LR never reaches --lr)",
+         "eval_batches": "validation batches per evaluation (0: none)",
+         "eval_interval": "evaluate every N steps (0: only at the end)",
+         "ckpt_interval": "save ckpt.pt every N steps (0: only at the end)"}
+_BOOL_HELP = {"progress": "no progress bars", "plot": "do not write <out>/loss.png"}
+
+
+def _choices(names) -> str:
+    """A metavar listing the allowed values (checked by ``_check_args``, whose errors name the flag)."""
+    return "{" + ",".join(names) + "}"
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, description="Pretrain a small Llama on text.")
     p.add_argument("--data", required=True, help=f"a text file or a built-in corpus: {', '.join(BUILTIN)}")
     p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction of the tokens held out")
-    p.add_argument("--model-preset", default="tiny", help="a blockscale.models.llama.PRESETS name")
+    p.add_argument("--model-preset", default="tiny", metavar=_choices(PRESETS), help="the Llama size")
     p.add_argument("--out", "--out-dir", dest="out_dir", default=None, help="run folder (metrics, ckpt, plot)")
     p.add_argument("--recipe", default=None,
                    help="train with quantized linear layers: a built-in recipe (bf16, mxfp8, nvfp4-nvidia, "
@@ -47,7 +61,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt if present")
     p.add_argument("--force", action="store_true",
                    help="with --resume: continue even if the checkpoint records another recipe or model config")
-    p.add_argument("--no-plot", action="store_true", help="do not write <out>/loss.png")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch's default; 1 is fastest for tiny models on busy cores)")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error (default: one line)")
@@ -57,11 +70,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         flag, default = "--" + f.name.replace("_", "-"), f.default
         if isinstance(default, bool):
             p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                           help=f"disable {f.name}")
+                           help=_BOOL_HELP.get(f.name, f"disable {f.name}"))
         elif isinstance(default, tuple):
-            p.add_argument(flag, type=float, nargs=len(default), default=default, help=f"(default: {default})")
+            p.add_argument(flag, type=float, nargs=len(default), default=default, help=_HELP.get(f.name))
         else:
-            p.add_argument(flag, type=type(default), default=default, help=f"(default: {default})")
+            p.add_argument(flag, type=type(default), default=default, help=_HELP.get(f.name),
+                           **({"metavar": _choices(_CHOICES[f.name])} if f.name in _CHOICES else {}))
     return p
 
 
@@ -157,14 +171,16 @@ def _run(args) -> int:
         if loss is not None and not math.isfinite(loss):
             raise DataError(f"training diverged: the final {name} loss is {loss} (lower --lr, check --data)")
     if rank == 0:
-        print(f"done: step {result.step}, train loss {result.final_train_loss}, val loss {result.final_val_loss}")
-        if cfg.out_dir and not args.no_plot and result.metrics_path is not None:
-            try:
-                png = plot_losses({args.model_preset: result.metrics_path}, f"{cfg.out_dir}/loss.png",
-                                  title=f"{args.model_preset} on {args.data}")
-                print(f"loss plot: {png}")
-            except ImportError:
-                print("matplotlib not installed: no loss plot")
+        val = "" if result.final_val_loss is None else f", val loss {result.final_val_loss:.4f}"
+        if result.already_finished:  # train() said "already finished at step N"
+            if result.final_val_loss is not None:
+                print(f"val loss {result.final_val_loss:.4f}")
+        else:
+            print(f"done: step {result.step}, train loss {result.final_train_loss:.4f}{val}")
+        if result.plot_path is not None:
+            print(f"loss plot: {result.plot_path}")
+        elif cfg.out_dir and cfg.plot and result.metrics_path is not None:
+            print("matplotlib not installed: no loss plot")
     return 0
 
 
@@ -174,4 +190,4 @@ def main(argv=None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m blockscale.train"))

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -48,6 +49,8 @@ class TrainConfig:
     (0: only at the end). eval_batches: fixed val batches per evaluation (0: no evaluation).
     autocast: "auto" (bf16 on CUDA with bf16 support, else none) | "bf16" (also on CPU: opt-in,
     slow there) | "none". device: "auto" | "cpu" | "cuda" | "cuda:N". out_dir: None writes nothing.
+    progress: a step bar (and one per evaluation). plot: also write out_dir/loss.png (needs matplotlib;
+    skipped without it). A warmup of at least ``steps`` warns once (the LR never reaches ``lr``).
     Every value is checked (``check_train_values``): finite floats (lr > 0, 0 <= min_lr <= lr, betas in
     [0, 1)), integers in range, batch_size * seq_len bounded; anything else is a ValueError naming the field.
     """
@@ -71,6 +74,7 @@ class TrainConfig:
     device: str = "auto"
     log_interval: int = 10
     progress: bool = True
+    plot: bool = True
 
     def __post_init__(self):
         if self.out_dir is not None:
@@ -102,6 +106,12 @@ class TrainResult:
     elapsed_s: float = 0.0
     metrics_path: Optional[Path] = None
     checkpoint_path: Optional[Path] = None
+    plot_path: Optional[Path] = None
+
+    @property
+    def already_finished(self) -> bool:
+        """A resumed run whose checkpoint was at (or past) ``steps``: nothing was trained."""
+        return self.start_step >= self.step and not self.train_losses
 
 
 # bounds of TrainConfig's numbers: integers name -> (lowest, highest); floats name -> (lowest, lowest excluded)
@@ -273,12 +283,18 @@ def autocast_context(mode: str, device: torch.device) -> Callable:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data, cfg: TrainConfig, info: DistInfo = DistInfo(),
-             device: Union[str, torch.device] = "cpu", amp: Callable = nullcontext) -> float:
-    """Mean loss over ``cfg.eval_batches`` fixed val batches (rows split over ranks, mean over ranks)."""
+             device: Union[str, torch.device] = "cpu", amp: Callable = nullcontext, progress: bool = False) -> float:
+    """Mean loss over ``cfg.eval_batches`` fixed val batches (rows split over ranks, mean over ranks);
+    ``progress``: its own bar ("validation", removed when done)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for j in range(cfg.eval_batches):
+    batches = range(cfg.eval_batches)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc="validation", unit="batch", leave=False, dynamic_ncols=True)
+    for j in batches:
         x, y = data.get_batch("val", cfg.batch_size, cfg.seq_len, step=j, rank=info.rank,
                               world_size=info.world_size, seed=VAL_SEED)
         with amp():
@@ -377,12 +393,17 @@ def _train(model, data, cfg, optimizer_factory, resume, info, device, record=Non
         if state.get("world_size", info.world_size) != info.world_size:
             old["world_size"] = state["world_size"]
         if main:
-            bar.log(f"resuming from {ckpt_path} at step {start_step}"
+            bar.log((f"already finished at step {start_step} (steps {cfg.steps}): nothing to train"
+                     if start_step >= cfg.steps else f"resuming from {ckpt_path} at step {start_step}")
                     + (f"; config changed since (checkpoint values): {old}" if old else ""))
             if note:
                 bar.log(note)
     elif resume and main:
         bar.log(f"no checkpoint in {out}; starting from scratch")
+    if main and cfg.warmup_steps >= cfg.steps > start_step:
+        warnings.warn(f"warmup_steps {cfg.warmup_steps} >= steps {cfg.steps}: the learning rate never reaches its "
+                      f"peak {cfg.lr:g} (lower --warmup-steps, e.g. to {max(1, cfg.steps // 10)})", RuntimeWarning,
+                      stacklevel=3)
 
     amp = autocast_context(cfg.autocast, device)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size
@@ -418,7 +439,7 @@ def _train(model, data, cfg, optimizer_factory, resume, info, device, record=Non
             last = done == cfg.steps
             val_loss = None
             if cfg.eval_batches and (last or (cfg.eval_interval and done % cfg.eval_interval == 0)):
-                val_loss = evaluate(model, data, cfg, info, device, amp)
+                val_loss = evaluate(model, data, cfg, info, device, amp, progress=cfg.progress and main)
                 val_hist.append((done, val_loss))
             if done % cfg.log_interval == 0 or val_loss is not None or last:
                 now = time.perf_counter()
@@ -447,10 +468,22 @@ def _train(model, data, cfg, optimizer_factory, resume, info, device, record=Non
         bar.close()
 
     if start_step >= cfg.steps and cfg.eval_batches:  # nothing left to train: just report
-        val_loss = evaluate(model, data, cfg, info, device, amp)
+        val_loss = evaluate(model, data, cfg, info, device, amp, progress=cfg.progress and main)
         val_hist.append((cfg.steps, val_loss))
+    plot_path = _plot(out / "loss.png", metrics_path) if main and out is not None and cfg.plot else None
     return TrainResult(step=max(cfg.steps, start_step), start_step=start_step, final_train_loss=train_loss,
                        final_val_loss=val_hist[-1][1] if val_hist else None, train_losses=losses,
                        val_losses=val_hist, tokens=max(cfg.steps, start_step) * tokens_per_step,
                        elapsed_s=elapsed0 + time.perf_counter() - t0, metrics_path=metrics_path,
-                       checkpoint_path=ckpt_path if ckpt_path is not None and ckpt_path.exists() else None)
+                       checkpoint_path=ckpt_path if ckpt_path is not None and ckpt_path.exists() else None,
+                       plot_path=plot_path)
+
+
+def _plot(png: Path, metrics_path: Path) -> Optional[Path]:
+    """out_dir/loss.png of the run's metrics; None without matplotlib or metrics."""
+    if not metrics_path.exists():
+        return None
+    try:
+        return Path(plot_losses({png.parent.name or "run": metrics_path}, png))
+    except ImportError:
+        return None
