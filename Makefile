@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine:  `make demo`  and  `make test`.
 # Each creates ./.venv on first use; tests run the Triton kernels under Triton's CPU interpreter
-# (TRITON_INTERPRET=1). TORCH pins the torch build pip installs; the default
-# resolves to the CPU wheel on CPU-only machines here (an unpinned torch would pull a CUDA build).
+# (TRITON_INTERPRET=1). TORCH is what pip is asked for torch (words are passed on, so it may carry
+# pip options). On the machines this project is developed on, torch==2.13.0 resolves to a local CPU
+# wheel; elsewhere pip may pick a CUDA build: see the README for the CPU-only form of TORCH.
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -12,7 +13,7 @@ STAMP  := $(VENV)/.blockscale-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[test,triton]"
 	touch $(STAMP)
 
