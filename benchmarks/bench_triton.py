@@ -119,7 +119,7 @@ def nvfp4_cases(x: torch.Tensor):
 def fused_case(x: torch.Tensor):
     """The fused backward kernel: NVFP4 q of x [M, K] -> MXFP8 E4M3 (SR) of dequantize(q).T."""
     import blockscale as bs
-    from blockscale.quant import requantize_transposed as fused
+    from blockscale.quant.transforms import requantize_transposed as fused
 
     M, K = x.shape
     with bs.use_backend("auto"):

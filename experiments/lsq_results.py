@@ -27,7 +27,7 @@ from blockscale import lsq
 from blockscale.models.hf import load_model
 from blockscale.ptq import PTQConfig
 from blockscale.ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl
-from blockscale.text_sources import calibration_batches
+from blockscale.data.text_sources import calibration_batches
 
 # (name, activations, mode, train, lr_scales, milestones or None for --milestones)
 RUNS = [

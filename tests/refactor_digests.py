@@ -52,7 +52,7 @@ def _inputs() -> dict[str, torch.Tensor]:
 def _quant_digests() -> dict[str, str]:
     import blockscale as bs
     from blockscale.quant import decode_rows, encode_rows, WIRE_PAYLOADS
-    from blockscale.quant.requantize_transposed import nvfp4_to_mx_transposed
+    from blockscale.quant.transforms.requantize_transposed import nvfp4_to_mx_transposed
 
     xs = _inputs()
     out: dict[str, str] = {}
@@ -141,7 +141,7 @@ def _model_digests(tmp: Path) -> dict[str, str]:
     import blockscale as bs
     from blockscale import lsq
     from blockscale.lsq.distill import DistillConfig, distill
-    from blockscale.ptq import PTQConfig, quantize_model
+    from blockscale.ptq import AWQOptions, GPTQOptions, PTQConfig, quantize_model
     from blockscale.train import TokenData, TrainConfig, train
 
     out: dict[str, str] = {}
@@ -162,12 +162,14 @@ def _model_digests(tmp: Path) -> dict[str, str]:
         "rtn-4over6-w4a4": PTQConfig(method="rtn", scale_rule="4over6", activations="w4a4", n_samples=8,
                                      seq_len=64, batch_size=4),
         "rtn-sweep": PTQConfig(method="rtn", scale_rule="sweep"),
-        "awq-4over6": PTQConfig(method="awq", scale_rule="4over6", n_samples=8, seq_len=64, batch_size=4, awq_grid=5),
+        "awq-4over6": PTQConfig(method="awq", scale_rule="4over6", n_samples=8, seq_len=64, batch_size=4,
+                                options=AWQOptions(grid=5)),
         "smoothquant-w4a4": PTQConfig(method="smoothquant", activations="w4a4", n_samples=8, seq_len=64, batch_size=4),
         "gptq-4over6-aware": PTQConfig(method="gptq", scale_rule="4over6", n_samples=8, seq_len=64, batch_size=4,
-                                       gptq_block_size=32),
-        "gptq-plain-actorder": PTQConfig(method="gptq", scale_rule="4over6", gptq_four_over_six="plain",
-                                         gptq_act_order=True, n_samples=8, seq_len=64, batch_size=4),
+                                       options=GPTQOptions(block_size=32)),
+        "gptq-plain-actorder": PTQConfig(method="gptq", scale_rule="4over6",
+                                         options=GPTQOptions(four_over_six="plain", act_order=True),
+                                         n_samples=8, seq_len=64, batch_size=4),
     }
     ptq_models = {}
     for name, cfg in cfgs.items():

@@ -13,7 +13,7 @@ import torch
 
 from blockscale.export import CheckpointError, load_checkpoint
 
-from test_checkpoint_validation import _copy, exported  # noqa: F401  (a fixture)
+from checkpoint_edits import copy, exported  # noqa: F401  (a fixture)
 from test_export import CT, MO, _logits  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -89,7 +89,7 @@ def _mutate(rng: random.Random, d: Path, orig: dict, fmt: str) -> str:
 def test_fuzz_never_loads_a_wrong_model(tmp_path, exported, fmt):
     rng = random.Random(12 + (fmt == MO))
     ref = exported["logits"]
-    d = _copy(exported[fmt], tmp_path / "ck")
+    d = copy(exported[fmt], tmp_path / "ck")
     orig = {p.name: p.read_bytes() for p in d.iterdir()}
     outcomes = {"refused": 0, "loaded": 0, "refused-unverified": 0}
     deadline = time.monotonic() + 3.0

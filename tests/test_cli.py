@@ -3,7 +3,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from blockscale import cli, formats_table as demo
+from blockscale import cli
+from blockscale.cli import formats_table as demo
 
 
 def test_demo_on_a_safetensors_file(tmp_path, capsys):
@@ -46,7 +47,7 @@ def test_demo_bad_input(tmp_path, capsys):
 
 def test_backend_choices_are_the_quant_backends():
     from blockscale.quant.backend import BACKENDS
-    from blockscale.train.__main__ import build_parser as train_parser
+    from blockscale.cli.train import build_parser as train_parser
 
     assert "triton" in BACKENDS
     for name in BACKENDS:

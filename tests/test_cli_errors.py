@@ -353,7 +353,7 @@ def test_demo_failure_leaves_no_empty_out_directory(tmp_path, capsys):
     kept.mkdir()
     assert_error(run(["demo", "--model", "no-such-model", "--out", kept], capsys), "demo", 2)
     assert kept.is_dir()  # it existed before: left alone
-    from blockscale.demo import run_demo  # a failure after run_demo made the directory: removed again
+    from blockscale.cli.demo import run_demo  # a failure after run_demo made the directory: removed again
 
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         run_demo(model="no-such-model", out_dir=str(out))
@@ -384,7 +384,7 @@ def test_eval_with_a_tokenizer_of_another_vocabulary(files):
     (ImportError("needs the `gguf` package\n(pip install gguf)"), 1, ["needs the `gguf` package (pip install gguf)"]),
 ])
 def test_top_level_reports_any_exception_in_one_line(exc, code, parts, monkeypatch, capsys):
-    from blockscale import formats_table
+    from blockscale.cli import formats_table
 
     def fail(*a, **k):
         raise exc
@@ -394,7 +394,7 @@ def test_top_level_reports_any_exception_in_one_line(exc, code, parts, monkeypat
 
 
 def test_keyboard_interrupt_and_debug(monkeypatch, capsys):
-    from blockscale import formats_table
+    from blockscale.cli import formats_table
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt

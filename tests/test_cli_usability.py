@@ -81,7 +81,7 @@ def test_learn_scales_default_lr_moves_scales_on_stories260k():
     scale can move by one E4M3 step after 0.0625 * 0.2399 / 3e-3 = 5.0 steps, far under --steps 100, so
     the hint stays quiet (at the old default 1e-4: 150 steps > 100, it fires)."""
     from blockscale import lsq
-    from blockscale.cli_lsq import DEFAULT_LR_SCALES, scales_stuck
+    from blockscale.cli.learn_scales import DEFAULT_LR_SCALES, scales_stuck
     from blockscale.models.hf import load_model
     from blockscale.ptq import PTQConfig
     from blockscale.ptq.quantize_model import quantize_model
@@ -154,7 +154,7 @@ def test_train_writes_loss_png(tmp_path):
 
 
 def test_demo_says_where_it_writes(tmp_path, monkeypatch, capsys):
-    from blockscale import demo
+    from blockscale.cli import demo
 
     monkeypatch.setattr(demo, "_run", lambda *a, **k: 0)
     monkeypatch.chdir(tmp_path)
@@ -175,7 +175,7 @@ def _subparsers(parser, prefix=()):
 
 
 def _all_parsers():
-    from blockscale.train.__main__ import build_parser as train_parser
+    from blockscale.cli.train import build_parser as train_parser
 
     out = [(cmd, p) for cmd, p in _subparsers(cli.build_parser()) if cmd != ("train",)]
     return out + [(("train",), train_parser())]
@@ -185,7 +185,7 @@ def _all_parsers():
 def test_help_shows_every_default_and_choice(cmd, parser):
     import re
 
-    from blockscale.cli_errors import default_text, shows_default
+    from blockscale.cli.reporting import default_text, shows_default
 
     text = parser.format_help()
     flat = " ".join(text.split())

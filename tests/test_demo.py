@@ -6,7 +6,7 @@ import json
 import pytest
 
 from blockscale import cli
-from blockscale.demo import run_demo
+from blockscale.cli.demo import run_demo
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,10 +1,12 @@
-"""NVFP4-aware GPTQ (blockscale.ptq.gptq): RTN equivalence with a diagonal Hessian, output error
+"""NVFP4-aware GPTQ (blockscale.ptq.methods.gptq): RTN equivalence with a diagonal Hessian, output error
 below RTN on correlated inputs, the exact GPTQ loss identity, format validity, input checks."""
 import pytest
 import torch
 
 from blockscale.formats.e2m1 import E2M1_VALUES, unpack_nibbles
-from blockscale.ptq.gptq import GPTQConfig, HessianAccumulator, _gptq, gptq_quantize
+from blockscale.ptq.methods.gptq import GPTQOptions, gptq_quantize
+from blockscale.ptq.methods.gptq.algorithm import _gptq
+from blockscale.ptq.statistics import HessianAccumulator
 from blockscale.quant import MX, NVFP4, quantize
 from blockscale.quant.nvfp4 import outer_scale
 
@@ -57,8 +59,8 @@ def _assert_same_qtensor(a, b):
 
 @pytest.mark.parametrize("spec", [NVFP4("6"), NVFP4("4"), NVFP4("sweep"), NVFP4("6", block_2d=True),
                                   NVFP4("sweep", block_2d=True), NVFP4("4over6", error="mae")], ids=str)
-@pytest.mark.parametrize("cfg", [GPTQConfig(four_over_six="plain"), GPTQConfig(static_groups=True),
-                                 GPTQConfig(act_order=True, block_size=32)], ids=["dynamic", "static", "act_order"])
+@pytest.mark.parametrize("cfg", [GPTQOptions(four_over_six="plain"), GPTQOptions(static_groups=True),
+                                 GPTQOptions(act_order=True, block_size=32)], ids=["dynamic", "static", "act_order"])
 def test_diagonal_hessian_equals_rtn(spec, cfg):
     w = _weight(1, n=40)  # 40 rows: the 2D case has a partial tile
     g = torch.Generator().manual_seed(7)
@@ -76,7 +78,7 @@ def test_diagonal_hessian_aware_4over6_equals_rtn_mse(block_2d, dtype):
     w = _weight(2, n=40, dtype=dtype)
     spec = NVFP4("4over6", error="mse", block_2d=block_2d)
     S = _S(w, spec)
-    q, st = gptq_quantize(w, 4.0 * torch.eye(K), spec, S, GPTQConfig(damp=0.0))
+    q, st = gptq_quantize(w, 4.0 * torch.eye(K), spec, S, GPTQOptions(damp=0.0))
     ref = quantize(w, spec, encode_scale=S)
     _assert_same_qtensor(q, ref)
     assert q.dtype == dtype
@@ -94,9 +96,9 @@ SEEDS = (0, 1, 2)
 
 
 @pytest.mark.parametrize("rule,cfg", [
-    ("6", GPTQConfig()), ("4over6", GPTQConfig()), ("4over6", GPTQConfig(four_over_six="plain")),
-    ("sweep", GPTQConfig()), ("6", GPTQConfig(static_groups=True)), ("6", GPTQConfig(act_order=True)),
-    ("4over6", GPTQConfig(act_order=True, block_size=32)),
+    ("6", GPTQOptions()), ("4over6", GPTQOptions()), ("4over6", GPTQOptions(four_over_six="plain")),
+    ("sweep", GPTQOptions()), ("6", GPTQOptions(static_groups=True)), ("6", GPTQOptions(act_order=True)),
+    ("4over6", GPTQOptions(act_order=True, block_size=32)),
 ], ids=["6", "4over6-aware", "4over6-plain", "sweep", "6-static", "6-act_order", "4over6-act_order"])
 def test_gptq_beats_rtn_on_output_error(rule, cfg):
     spec = NVFP4(rule)
@@ -117,8 +119,8 @@ def test_aware_4over6_beats_plain_on_average():
     for seed in range(4):
         w, x = _weight(seed), _inputs(seed)
         H, S = _hessian(x), _S(w, spec)
-        qa, sa = gptq_quantize(w, H, spec, S, GPTQConfig(four_over_six="aware"))
-        qp, sp = gptq_quantize(w, H, spec, S, GPTQConfig(four_over_six="plain"))
+        qa, sa = gptq_quantize(w, H, spec, S, GPTQOptions(four_over_six="aware"))
+        qp, sp = gptq_quantize(w, H, spec, S, GPTQOptions(four_over_six="plain"))
         ratios.append(_out_err(w, qa.dequantize(), x) / _out_err(w, qp.dequantize(), x))
         assert sa["loss"] < sp["loss"]  # measured aware/plain GPTQ loss: 0.80-0.91
         assert 0.2 < sa["frac_scale4"] < 0.8 and 0.2 < sp["frac_scale4"] < 0.8
@@ -135,7 +137,7 @@ def test_gptq_loss_identity():
     H[:, 5] = 0
     spec = NVFP4("4over6")
     S = _S(w, spec)
-    for cfg in (GPTQConfig(block_size=16), GPTQConfig(block_size=48), GPTQConfig(act_order=True, damp=0.1)):
+    for cfg in (GPTQOptions(block_size=16), GPTQOptions(block_size=48), GPTQOptions(act_order=True, damp=0.1)):
         Q, _, _, _, st = _gptq(w, H, spec, S, cfg)
         Hd = H.double().clone()
         Hd[5, 5] = 1.0
@@ -152,8 +154,8 @@ def test_block_size_only_reorders_updates():
     w, x = _weight(4), _inputs(4)
     H, spec = _hessian(x), NVFP4("6")
     S = _S(w, spec)
-    q16, s16 = gptq_quantize(w, H, spec, S, GPTQConfig(block_size=16))
-    q128, s128 = gptq_quantize(w, H, spec, S, GPTQConfig(block_size=128))
+    q16, s16 = gptq_quantize(w, H, spec, S, GPTQOptions(block_size=16))
+    q128, s128 = gptq_quantize(w, H, spec, S, GPTQOptions(block_size=128))
     assert abs(s16["loss"] / s128["loss"] - 1) < 0.02
     same = (unpack_nibbles(q16.codes) == unpack_nibbles(q128.codes)).float().mean()
     assert same > 0.9  # FP32 order differences flip a few near-tie roundings
@@ -163,8 +165,8 @@ def test_block_size_only_reorders_updates():
 # 3. the returned QuantizedTensor is the GPTQ result, in a valid NVFP4 encoding
 
 
-@pytest.mark.parametrize("rule,cfg", [("6", GPTQConfig()), ("4over6", GPTQConfig()), ("sweep", GPTQConfig()),
-                                      ("4over6", GPTQConfig(act_order=True)), ("4", GPTQConfig(static_groups=True))])
+@pytest.mark.parametrize("rule,cfg", [("6", GPTQOptions()), ("4over6", GPTQOptions()), ("sweep", GPTQOptions()),
+                                      ("4over6", GPTQOptions(act_order=True)), ("4", GPTQOptions(static_groups=True))])
 def test_dequantize_is_gptq_result(rule, cfg):
     w, x = _weight(5, dtype=torch.bfloat16), _inputs(5)
     spec = NVFP4(rule)
@@ -227,7 +229,7 @@ def test_errors():
     with pytest.raises(ValueError, match="NaN"):
         gptq_quantize(w, torch.full((K, K), float("nan")), spec, S)
     with pytest.raises(ValueError, match="positive definite"):
-        gptq_quantize(w, -torch.eye(K), spec, S, GPTQConfig(damp=0.0))
+        gptq_quantize(w, -torch.eye(K), spec, S, GPTQOptions(damp=0.0))
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -238,7 +240,7 @@ def test_errors():
 ])
 def test_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        GPTQConfig(**kwargs)
+        GPTQOptions(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

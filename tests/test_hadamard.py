@@ -324,7 +324,7 @@ def test_hadamard_does_not_modify_input():
 
 
 def test_hadamard_gemm_is_the_same_transform():
-    from blockscale.quant.hadamard import hadamard_gemm, rht_matrix
+    from blockscale.quant.transforms.hadamard import hadamard_gemm, rht_matrix
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 96, generator=g)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import blockscale as bs
 from blockscale import lsq
 from blockscale.nn import NVFP4Linear
-from blockscale.ptq import PTQConfig, quantize_model
+from blockscale.ptq import AWQOptions, PTQConfig, quantize_model
 
 transformers = pytest.importorskip("transformers")
 from tiny_models import tiny_hf_llama, token_ids  # noqa: E402
@@ -25,10 +25,10 @@ def logits(model, x):
 
 @pytest.mark.parametrize("mode", ["tied", "dual"])
 @pytest.mark.parametrize("fields", [dict(method="gptq", scale_rule="4over6", activations="w4a4"),
-                                    dict(method="awq", scale_rule="sweep")])
+                                    dict(method="awq", scale_rule="sweep", options=AWQOptions(grid=4))])
 def test_step0_equals_the_ptq_model(mode, fields):
     model = tiny_llama()
-    quantize_model(model, PTQConfig(n_samples=8, seq_len=32, batch_size=4, awq_grid=4, **fields), ids(), progress=False)
+    quantize_model(model, PTQConfig(n_samples=8, seq_len=32, batch_size=4, **fields), ids(), progress=False)
     before = logits(model, ids(2, 24, seed=3))
     names = lsq.enable(model, mode=mode)
     assert len(names) == 14 and not any(isinstance(m, NVFP4Linear) and "learner" not in n

@@ -383,7 +383,7 @@ def test_llama_blocks_and_loss_with_moe():
 
 
 def test_presets_and_train_cli_model():
-    from blockscale.train.__main__ import build_model
+    from blockscale.cli.train import build_model
 
     small = PRESETS["small-moe"]
     assert dataclasses.replace(small, moe=None) == PRESETS["small"]

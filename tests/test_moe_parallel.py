@@ -15,7 +15,7 @@ import torch
 
 from blockscale.nn.moe import MoE, MoEConfig
 from blockscale.nn.moe_parallel import CommConfig, ExpertParallelMoE, expert_parameter_names, to_expert_parallel
-from blockscale.quant.wire import emulate, row_bytes
+from blockscale.quant.transforms.wire import emulate, row_bytes
 
 if __name__ != "__main__":  # the workers run on one thread; so must the reference (same GEMM reductions)
     pytestmark = pytest.mark.usefixtures("one_thread")

@@ -28,11 +28,11 @@ import blockscale as bs  # noqa: E402
 from blockscale.formats.fp8 import FP8_FORMATS  # noqa: E402
 from blockscale.formats.minifloat import E2M1, mul_pow2, round_to_format  # noqa: E402
 from blockscale.formats.ue8m0 import scale_exponent_ceil  # noqa: E402
-from blockscale.quant import requantize_transposed as fused  # noqa: E402
+from blockscale.quant.transforms import requantize_transposed as fused  # noqa: E402
 from blockscale.quant.blocking import random_from_bits  # noqa: E402
 from blockscale.quant.dispatch import quantize_with_values  # noqa: E402
 from blockscale.quant.mx import element_limit, quantize_mx  # noqa: E402
-from blockscale.quant.wire import decode_rows, emulate, encode_rows  # noqa: E402
+from blockscale.quant.transforms.wire import decode_rows, emulate, encode_rows  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]

@@ -15,7 +15,7 @@ import torch
 import blockscale as bs
 from blockscale.quant.dispatch import quantize_with_values
 from blockscale.quant.layout import check_layout, expected_layout
-from blockscale.quant.wire import emulate, encode_rows
+from blockscale.quant.transforms.wire import emulate, encode_rows
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]

@@ -10,10 +10,9 @@ from torch import nn
 
 import blockscale as bs
 from blockscale.nn import NVFP4Linear
-from blockscale.nn.nvfp4_linear import input_encode_scale
-from blockscale.ptq import PTQConfig, quantize_model
+from blockscale.ptq import AWQOptions, GPTQOptions, PTQConfig, quantize_model
 from blockscale.ptq.capture import decoder_layers
-from blockscale.quant.nvfp4 import outer_scale
+from blockscale.quant.nvfp4 import input_encode_scale, outer_scale
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,19 +66,32 @@ def test_rtn_equals_quantize_with_the_group_scale(rule):
 
 METHOD_CASES = [
     dict(method="rtn"), dict(method="rtn", scale_rule="4over6", activations="w4a4", act_scale_rule="4over6"),
-    dict(method="awq"), dict(method="awq", scale_rule="4over6", activations="w4a4"),
+    dict(method="awq", options=AWQOptions(grid=5)),
+    dict(method="awq", scale_rule="4over6", activations="w4a4", options=AWQOptions(grid=5)),
     dict(method="smoothquant", activations="w4a4"), dict(method="smoothquant", scale_rule="4over6"),
     dict(method="gptq"), dict(method="gptq", scale_rule="4over6", activations="w4a4"),
-    dict(method="gptq", scale_rule="4over6", gptq_four_over_six="plain", gptq_act_order=True),
+    dict(method="gptq", scale_rule="4over6", options=GPTQOptions(four_over_six="plain", act_order=True)),
     dict(method="gptq", scale_rule="sweep"),
 ]
 
 
-@pytest.mark.parametrize("fields", METHOD_CASES, ids=lambda f: "-".join(str(v) for v in f.values()))
+def _case_id(fields: dict) -> str:
+    """method-rule-...; the options that differ from their defaults as name=value."""
+    out = []
+    for k, v in fields.items():
+        if k != "options":
+            out.append(str(v))
+            continue
+        default = type(v)()
+        out += [f"{f}={getattr(v, f)}" for f in v.__dataclass_fields__ if getattr(v, f) != getattr(default, f)]
+    return "-".join(out)
+
+
+@pytest.mark.parametrize("fields", METHOD_CASES, ids=_case_id)
 def test_method_exports_and_reloads_bit_identical(fields, tmp_path):
     model = tiny_llama(kv_heads=4 if fields["method"] == "awq" else 2)  # AWQ also folds v -> o without GQA
     ref = copy.deepcopy(model)
-    cfg = PTQConfig(n_samples=8, seq_len=32, batch_size=4, awq_grid=5, **fields)
+    cfg = PTQConfig(n_samples=8, seq_len=32, batch_size=4, **fields)
     rep = quantize_model(model, cfg, calib(), progress=False)
     probe = calib(2, 24, seed=5)
     with torch.no_grad():
@@ -102,7 +114,8 @@ def test_method_exports_and_reloads_bit_identical(fields, tmp_path):
 
 def test_smoothing_keeps_the_full_precision_function_before_quantization():
     """AWQ / SmoothQuant scales folded into norms and linears leave the fp32 model's logits unchanged."""
-    from blockscale.ptq.smoothing import find_smoothing_groups, fold_smoothing, smoothquant_scales
+    from blockscale.ptq.methods.smoothquant import smoothquant_scales
+    from blockscale.ptq.smoothing import find_smoothing_groups, fold_smoothing
 
     model = tiny_llama(kv_heads=4)
     probe = calib(2, 24, seed=3)
@@ -136,7 +149,7 @@ def test_w4a4_input_scale_is_the_calibrated_amax_of_the_first_layer_inputs():
 
 def test_gptq_never_increases_layer_output_error_over_rtn_stories260k():
     from blockscale.models.hf import load_model
-    from blockscale.text_sources import calibration_batches
+    from blockscale.data.text_sources import calibration_batches
 
     lm = load_model("stories260k")
     ids = calibration_batches(lm.tokenizer, "tinystories#0.8:1", 16, 128, bos=True)
@@ -233,7 +246,8 @@ def test_bf16_model_quantizes_and_reloads_bit_identical(method, tmp_path):
     # built in bf16 the way from_pretrained builds it (RoPE frequencies stay fp32)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     quantize_model(model, PTQConfig(method=method, scale_rule="4over6", activations="w4a4", n_samples=8, seq_len=32,
-                                    batch_size=4, awq_grid=4), calib(), progress=False)
+                                    batch_size=4, options=AWQOptions(grid=4) if method == "awq" else None),
+                   calib(), progress=False)
     assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
     probe = calib(2, 24, seed=7)
     with torch.no_grad():

@@ -9,7 +9,7 @@ import torch
 from blockscale import cli
 from blockscale.models import load_stories260k
 from blockscale.models.hf import load_model
-from blockscale.paths import data_root
+from blockscale.data.paths import data_root
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

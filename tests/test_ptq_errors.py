@@ -164,7 +164,7 @@ def test_non_finite_weight_names_the_linear_before_calibration(method, value, no
 
 
 def test_non_finite_weight_after_smoothing_names_the_linear(monkeypatch):
-    import blockscale.ptq.smoothing as smoothing
+    import blockscale.ptq.smoothing.layer as smoothing
 
     fold = smoothing.fold_smoothing
 
@@ -181,7 +181,7 @@ def test_non_finite_weight_after_smoothing_names_the_linear(monkeypatch):
 
 
 def test_value_error_while_quantizing_is_prefixed_with_the_linear(monkeypatch):
-    import blockscale.ptq.gptq as gptq
+    import blockscale.ptq.methods.gptq.method as gptq
 
     def fail(weight, H, *a, **k):
         raise ValueError("H (+ dampening) is not positive definite")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import blockscale as bs
 from blockscale.nn import QuantizedLinear
-from blockscale.quant.hadamard import rht_matrix
+from blockscale.quant.transforms.hadamard import rht_matrix
 from blockscale.recipes import LinearRecipe, get_recipe
 
 pytestmark = pytest.mark.usefixtures("reference_backend")

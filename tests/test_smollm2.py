@@ -34,7 +34,7 @@ def test_smollm2_loads_quantizes_exports_and_reloads(smollm2, tmp_path):
     assert fp.ppl < q.ppl < 1.5 * fp.ppl, (fp, q)
     out = bs.export_checkpoint(qm, tmp_path / "ct", "compressed-tensors", tokenizer=smollm2.tokenizer.hf)
     back = bs.load(out)
-    probe = smollm2.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")[None]
+    probe = smollm2.tokenizer.encode_tensor("The capital of France is Paris, and the capital of Italy is")[None]
     with torch.no_grad():
         assert torch.equal(back(probe).logits, qm(probe).logits)
 

@@ -1,4 +1,5 @@
-"""AWQ / SmoothQuant smoothing scales and folding them into norms / linears (blockscale.ptq.smoothing)."""
+"""AWQ / SmoothQuant smoothing scales (blockscale.ptq.methods.awq / .smoothquant) and folding them into
+norms / linears (blockscale.ptq.smoothing)."""
 from __future__ import annotations
 
 import math
@@ -7,13 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from blockscale.nn.nvfp4_linear import input_encode_scale
-from blockscale.ptq.smoothing import (
-    AWQResult, SmoothingGroup, awq_scales, awq_search, check_norm_absorbs_scales, find_smoothing_groups,
-    fold_smoothing, smoothquant_scales,
-)
+from blockscale.ptq.methods.awq import AWQResult, awq_scales, awq_search
+from blockscale.ptq.methods.smoothquant import smoothquant_scales
+from blockscale.ptq.smoothing import SmoothingGroup, check_norm_absorbs_scales, find_smoothing_groups, fold_smoothing
 from blockscale.quant import MX, NVFP4, fake_quantize
-from blockscale.quant.nvfp4 import outer_scale
+from blockscale.quant.nvfp4 import input_encode_scale, outer_scale
 
 
 

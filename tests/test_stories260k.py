@@ -9,9 +9,10 @@ import struct
 import pytest
 import torch
 
+from blockscale.data import Tokenizer
+from blockscale.data.paths import data_root
 from blockscale.eval import PerplexityResult, perplexity
 from blockscale.models import PRESETS, Llama, Tok512, load_stories260k, load_tokenizer
-from blockscale.paths import data_root
 
 CKPT = data_root() / "stories260K" / "stories260K.bin"
 TOK = data_root() / "stories260K" / "tok512.bin"
@@ -144,6 +145,7 @@ def test_tokenizer_round_trip(tok, s):
 @needs_data
 def test_tokenizer_details(tok):
     assert isinstance(tok, Tok512) and len(tok) == tok.vocab_size == 512 and (tok.bos_id, tok.eos_id) == (1, 2)
+    assert isinstance(tok, Tokenizer)  # the one tokenizer interface
     assert tok.encode("") == [] and tok.encode("", bos=True, eos=True) == [1, 2]
     ids = tok.encode("Lily")
     assert tok.encode("Lily", bos=True, eos=True) == [1] + ids + [2]

@@ -7,9 +7,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+from blockscale.data import Tokenizer  # noqa: E402
+from blockscale.data.paths import data_root  # noqa: E402
 from blockscale.models.hf import load_model  # noqa: E402
 from blockscale.models.stories260k import load_tokenizer, transformers_tokenizer  # noqa: E402
-from blockscale.paths import data_root  # noqa: E402
 
 TRICKY = ["", " ", "  two  spaces ", " leading", "trailing  ", "\n", "\n\nnew\nlines\n\n", "a\tb\r\nc",
           "héllo wörld ✓ 日本語 🙂 \x00", "“quoted” — it’s…", "<s> and </s> are text here", "aaaaaaaa", "Lily!!"]
@@ -61,7 +62,9 @@ def test_quantized_stories260k_directory_runs_in_transformers(tmp_path):
     out = export_checkpoint(lm.model, tmp_path / "ck", "compressed-tensors", tokenizer=lm.tokenizer.hf)
     tok = AutoTokenizer.from_pretrained(out)
     ids = torch.tensor([[1] + tok.encode("Once upon a time", add_special_tokens=False)])
-    assert ids[0, 1:].tolist() == lm.tokenizer.encode("Once upon a time").tolist()
+    assert ids[0, 1:].tolist() == lm.tokenizer.encode("Once upon a time")
+    assert isinstance(lm.tokenizer, Tokenizer) and lm.tokenizer.vocab_size == 512  # the one tokenizer interface
+    assert lm.tokenizer.decode(lm.tokenizer.encode("Once upon a time")) == "Once upon a time"
     gen = AutoModelForCausalLM.from_pretrained(out).generate(ids, max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, ids.shape[1] + 4)
     assert tok.decode(gen[0], skip_special_tokens=True).startswith("Once upon a time")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from blockscale import data_root
-from blockscale.models.hf import Tokenizer
-from blockscale.text_sources import calibration_batches, evaluation_tokens, load_text
+from blockscale.models.hf import ModelTokenizer
+from blockscale.data.text_sources import calibration_batches, evaluation_tokens, load_text
 
-BYTES = Tokenizer(lambda text: list(text.encode("utf-8")), bos_id=256, eos_id=None)
+BYTES = ModelTokenizer(lambda text: list(text.encode("utf-8")), bos_id=256, eos_id=None)
 
 
 def test_builtin_and_file_sources(tmp_path):

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from blockscale.paths import data_root
-from blockscale.train import (ByteTokenizer, CheckpointError, TokenData, TrainConfig, get_lr, load_checkpoint,
-                              load_data, make_optimizer, plot_losses, read_metrics, train)
+from blockscale.data.paths import data_root
+from blockscale.train import (ByteTokenizer, TokenData, TrainConfig, TrainingCheckpointError, get_lr, load_data,
+                              load_training_checkpoint, make_optimizer, plot_losses, read_metrics, train)
 from blockscale.train.trainer import grad_norm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,7 +270,7 @@ def test_exact_resume_is_bitwise(tmp_path):
 
     with pytest.raises(Preempted):  # checkpoint at step 10, metrics logged up to step 12
         train(tiny_model(dropout=0.1), DiesAtStep(d, 12), small_cfg(tmp_path / "b", **cfg))
-    assert load_checkpoint(tmp_path / "b" / "ckpt.pt")["step"] == 10
+    assert load_training_checkpoint(tmp_path / "b" / "ckpt.pt")["step"] == 10
     assert [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")][-1] == 12
 
     resumed = tiny_model(seed=123, dropout=0.1)  # a different init: the checkpoint must replace it
@@ -304,7 +304,7 @@ def test_metrics_jsonl_is_well_formed(tmp_path):
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6, 7]
     assert rows[-1]["val_loss"] == res.final_val_loss and rows[-1]["train_loss"] == res.final_train_loss
     assert json.loads((tmp_path / "config.json").read_text())["steps"] == 7
-    assert load_checkpoint(res.checkpoint_path)["step"] == 7
+    assert load_training_checkpoint(res.checkpoint_path)["step"] == 7
 
 
 def test_plot_losses_writes_a_png(tmp_path):
@@ -329,37 +329,37 @@ def test_corrupt_checkpoint_raises_a_clear_error(tmp_path):
     ckpt = res.checkpoint_path
     raw = ckpt.read_bytes()
     ckpt.write_bytes(raw[: len(raw) // 2])
-    with pytest.raises(CheckpointError, match="corrupt or truncated"):
-        load_checkpoint(ckpt)
-    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+    with pytest.raises(TrainingCheckpointError, match="corrupt or truncated"):
+        load_training_checkpoint(ckpt)
+    with pytest.raises(TrainingCheckpointError, match="corrupt or truncated"):
         train(tiny_model(), d, small_cfg(tmp_path, steps=4, eval_batches=0), resume=True)
     ckpt.write_bytes(b"not a checkpoint at all")
-    with pytest.raises(CheckpointError, match="corrupt or truncated"):
-        load_checkpoint(ckpt)
+    with pytest.raises(TrainingCheckpointError, match="corrupt or truncated"):
+        load_training_checkpoint(ckpt)
     ckpt.write_bytes(b"")
-    with pytest.raises(CheckpointError, match="corrupt or truncated"):
-        load_checkpoint(ckpt)
+    with pytest.raises(TrainingCheckpointError, match="corrupt or truncated"):
+        load_training_checkpoint(ckpt)
     torch.save({"weights": torch.zeros(2)}, ckpt)
-    with pytest.raises(CheckpointError, match="not a"):
-        load_checkpoint(ckpt)
+    with pytest.raises(TrainingCheckpointError, match="not a"):
+        load_training_checkpoint(ckpt)
     torch.save({"format": "blockscale.train/1", "model": ByteTokenizer()}, ckpt)  # pickled object
-    with pytest.raises(CheckpointError, match="weights_only"):
-        load_checkpoint(ckpt)
+    with pytest.raises(TrainingCheckpointError, match="weights_only"):
+        load_training_checkpoint(ckpt)
     with pytest.raises(FileNotFoundError):
-        load_checkpoint(tmp_path / "missing.pt")
+        load_training_checkpoint(tmp_path / "missing.pt")
 
 
 def test_checkpoint_that_does_not_fit_the_model(tmp_path):
     d = synthetic_data()
     train(tiny_model(), d, small_cfg(tmp_path, steps=2, eval_batches=0))
-    with pytest.raises(CheckpointError, match="does not fit"):
+    with pytest.raises(TrainingCheckpointError, match="does not fit"):
         train(TinyLM(dim=8), d, small_cfg(tmp_path, steps=4, eval_batches=0), resume=True)
 
 
 # ----------------------------------------------------------------------------- CLI
 
 def test_cli_flags_map_to_train_config():
-    from blockscale.train.__main__ import build_parser, config_from_args
+    from blockscale.cli.train import build_parser, config_from_args
 
     args = build_parser().parse_args(["--data", "x.txt", "--steps", "7", "--batch-size", "3", "--betas", "0.8",
                                       "0.9", "--no-progress", "--out", "runs/y", "--autocast", "none"])
@@ -370,7 +370,7 @@ def test_cli_flags_map_to_train_config():
 
 def test_cli_trains_a_llama_preset(tmp_path, capsys):
     pytest.importorskip("blockscale.models.llama")
-    from blockscale.train.__main__ import main
+    from blockscale.cli.train import main
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
@@ -409,7 +409,7 @@ def _torchrun(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.Comp
 def test_ddp_matches_single_process_combined_batch(tmp_path):
     out = tmp_path / "ddp"
     _torchrun([str(Path(__file__).resolve()), str(out)], cwd=tmp_path)
-    ddp_state = load_checkpoint(out / "ckpt.pt")
+    ddp_state = load_training_checkpoint(out / "ckpt.pt")
     assert ddp_state["world_size"] == 2 and ddp_state["step"] == 3
 
     single = tiny_model()  # 2 ranks x batch 2 == one process x batch 4 (same rows, see the sampler)

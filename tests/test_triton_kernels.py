@@ -21,6 +21,7 @@ from blockscale.formats.minifloat import E2M1, E4M3, round_magnitude  # noqa: E4
 from blockscale.quant import nvfp4 as ref  # noqa: E402
 from blockscale.quant.blocking import random_from_bits  # noqa: E402
 from blockscale.quant.dispatch import quantize_with_values  # noqa: E402
+from blockscale.quant.blocking import triton_seed  # noqa: E402
 from blockscale.quant.triton_kernels import nvfp4_triton as nt  # noqa: E402
 
 
@@ -169,8 +170,8 @@ def test_block_error_summation_order_decides_near_ties(error):
     x = torch.randint(-40, 41, (20000, 16), generator=torch.Generator().manual_seed(0)).float()
     S = ref.outer_scale(x.abs().amax(), 256.0)
     t = x.abs().amax(-1, keepdim=True) * (S * (1.0 / 6.0))
-    d6, d4 = (ref._reconstruct(x, s, 1.0 / S, None, "nearest", "hardware") - x
-              for s in (ref._e4m3(t), ref._e4m3(t * 1.5)))
+    d6, d4 = (ref.reconstruct_blocks(x, s, 1.0 / S, None, "nearest", "hardware") - x
+              for s in (ref.e4m3_scale(t), ref.e4m3_scale(t * 1.5)))
     tree = block_error(d4, error) < block_error(d6, error)
     picked = tree != (_seq_error(d4, error) < _seq_error(d6, error))
     assert int(picked.sum()) >= 8
@@ -229,7 +230,7 @@ def _round_kernel(a_ptr, bits_ptr, out_ptr, n, MBITS: tl.constexpr, EMIN: tl.con
     m = i < n
     a = tl.load(a_ptr + i, mask=m, other=0.0)
     r = tl.load(bits_ptr + i, mask=m, other=0)
-    tl.store(out_ptr + i, nt._round_magnitude(a, r, MBITS, EMIN, MAXV, ROUND), mask=m)
+    tl.store(out_ptr + i, nt.round_magnitude(a, r, MBITS, EMIN, MAXV, ROUND), mask=m)
 
 
 
@@ -297,7 +298,7 @@ def test_backend_triton_sr_uses_a_seed_from_the_generator():
     x = _hard(8, 40)
     with bs.use_backend("triton"):
         q = bs.quantize(x.to(DEV), spec, generator=torch.Generator().manual_seed(3)).to("cpu")
-    seed = ref._triton_seed(torch.Generator().manual_seed(3), x.device)
+    seed = triton_seed(torch.Generator().manual_seed(3), x.device)
     bits = nt.random_bits(8 * 48, seed, device=DEV).cpu()
     want, _ = _reference(x, spec, bits)
     _same_q(q, want)
@@ -315,7 +316,7 @@ def test_unsupported_specs_and_auto_on_cpu_keep_the_torch_path(monkeypatch):
     monkeypatch.setattr(nt, "quantize_nvfp4_2d", boom)
     monkeypatch.setattr(nt, "quantize_nvfp4_tiles", boom)
     for spec in (bs.NVFP4(scale_rule="sweep"), bs.NVFP4(scale_rule="sweep", block_2d=True)):
-        assert not ref._triton_supports(spec)
+        assert not ref.triton_supports(spec)
         got, want = _quantize_all(x, spec, "triton"), _quantize_all(x, spec, "reference")
         _same_q(got[0], want[0])
         # stored bytes are plain NVFP4 whatever the scale rule: the dequantize kernel still applies
@@ -323,7 +324,7 @@ def test_unsupported_specs_and_auto_on_cpu_keep_the_torch_path(monkeypatch):
     calls = []  # 16x16 tiles: the tile kernel (the 1x16 one still must not run)
     monkeypatch.setattr(nt, "quantize_nvfp4_tiles", lambda *a, **k: calls.append(1) or tiles(*a, **k))
     spec = bs.NVFP4(block_2d=True)
-    assert ref._triton_supports(spec)
+    assert ref.triton_supports(spec)
     got, want = _quantize_all(x, spec, "triton"), _quantize_all(x, spec, "reference")
     _same_q(got[0], want[0])
     _same_q(got[1], want[1])

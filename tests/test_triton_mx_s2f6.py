@@ -17,8 +17,9 @@ from blockscale.formats.ue8m0 import scale_exponent_ceil, scale_exponent_floor  
 from blockscale.quant import mx as mx_ref  # noqa: E402
 from blockscale.quant import s2f6 as s2f6_ref  # noqa: E402
 from blockscale.quant.dispatch import quantize_with_values  # noqa: E402
-from blockscale.quant.hadamard import (hadamard, hadamard_gemm, inverse_rht_blocks, random_signs,  # noqa: E402
+from blockscale.quant.transforms.hadamard import (hadamard, hadamard_gemm, inverse_rht_blocks, random_signs,  # noqa: E402
                                        rht_blocks)
+from blockscale.quant.blocking import triton_seed  # noqa: E402
 from blockscale.quant.triton_kernels import mx_triton as mt  # noqa: E402
 from blockscale.quant.triton_kernels import s2f6_triton as st  # noqa: E402
 
@@ -231,7 +232,7 @@ def _exponent_kernel(a_ptr, out_ptr, n, RULE: tl.constexpr, MC: tl.constexpr, EC
                      EMAX: tl.constexpr, B: tl.constexpr):
     i = tl.program_id(0) * B + tl.arange(0, B)
     a = tl.load(a_ptr + i, mask=i < n, other=0.0)
-    tl.store(out_ptr + i, mt._scale_exponent(a, RULE, MC, EC, EMAX), mask=i < n)
+    tl.store(out_ptr + i, mt.scale_exponent(a, RULE, MC, EC, EMAX), mask=i < n)
 
 
 @pytest.mark.parametrize("max_elem, emax", [(448.0, 8), (57344.0, 15), (6.0, 2), (127 / 64, 0)])
@@ -305,7 +306,7 @@ def test_backend_triton_sr_uses_a_seed_from_the_generator(spec):
     x = _rotatable(_hard(8, 40))
     with bs.use_backend("triton"):
         q = bs.quantize(x.to(DEV), spec, generator=torch.Generator().manual_seed(3)).to("cpu")
-    seed = mx_ref._triton_seed(torch.Generator().manual_seed(3), x.device)
+    seed = triton_seed(torch.Generator().manual_seed(3), x.device)
     R = 40 if isinstance(spec, bs.MX) and spec.dim == 0 else 8
     n = R * _pad(8 if R == 40 else 40)
     bits = mt.random_bits(n, seed, device=DEV).cpu()

@@ -15,11 +15,12 @@ from triton_interpreter import DEV, ON_GPU  # noqa: E402
 import blockscale as bs  # noqa: E402
 from blockscale.nn import QuantizedLinear  # noqa: E402
 from blockscale.nn import gemm as gemm_mod  # noqa: E402
-from blockscale.quant import requantize_transposed as fused  # noqa: E402
+from blockscale.quant.transforms import requantize_transposed as fused  # noqa: E402
 from blockscale.quant import nvfp4 as ref  # noqa: E402
 from blockscale.quant.block_error import tile_error  # noqa: E402
 from blockscale.quant.dispatch import quantize_with_values  # noqa: E402
-from blockscale.quant.swizzle import swizzle_scales  # noqa: E402
+from blockscale.quant.transforms.swizzle import swizzle_scales  # noqa: E402
+from blockscale.quant.blocking import triton_seed  # noqa: E402
 from blockscale.quant.triton_kernels import requantize_transposed_triton as ft  # noqa: E402
 from blockscale.quant.triton_kernels import nvfp4_triton as nt  # noqa: E402
 from blockscale.recipes import LinearRecipe  # noqa: E402
@@ -69,7 +70,7 @@ def _check_tiles(x, spec, seed=0, offset=0):
     Mp, Kp = -(-M // 16) * 16, -(-K // 16) * 16
     bits = nt.random_bits(B * Mp * Kp, seed, offset, DEV).cpu() if spec.rounding == "stochastic" else None
     q, v = _reference(x, spec, bits)
-    S_rows = ref._outer(x3, spec, x.shape)[2]
+    S_rows = ref.outer_scales(x3, spec, x.shape)[2]
     args = (S_rows.to(DEV), spec.scale_rule, spec.error, spec.rounding, spec.sr_mode, seed, offset)
     codes, sbytes, values = (t.cpu() for t in nt.quantize_nvfp4_tiles(x3.to(DEV), *args, want_values=True))
     assert torch.equal(codes, q.codes.reshape(B * M, -1)), "codes"
@@ -137,8 +138,8 @@ def test_tile_error_order_decides_near_ties():
     x = torch.randint(-40, 41, (n, 16, 16), generator=g).float()
     S = ref.outer_scale(x.abs().amax(), 256.0)
     t = x.abs().amax(dim=(-2, -1), keepdim=True) * (S * (1.0 / 6.0))
-    d6, d4 = (ref._reconstruct(x, s, 1.0 / S, None, "nearest", "hardware") - x
-              for s in (ref._e4m3(t), ref._e4m3(t * 1.5)))
+    d6, d4 = (ref.reconstruct_blocks(x, s, 1.0 / S, None, "nearest", "hardware") - x
+              for s in (ref.e4m3_scale(t), ref.e4m3_scale(t * 1.5)))
     e6, e4 = tile_error(d6, "mse"), tile_error(d4, "mse")
     seq = lambda d: (d * d).reshape(n, 256).cumsum(-1)[:, -1]  # noqa: E731
     flip = (e4 < e6) != (seq(d4) < seq(d6))
@@ -149,7 +150,7 @@ def test_tile_error_order_decides_near_ties():
     spec = bs.NVFP4(scale_rule="4over6", block_2d=True, outer=float(x.abs().amax()))
     _check_tiles(xx, spec)
     q, _ = _reference(xx, spec)
-    assert 0 < int((_u8(q.scales)[0].reshape(-1) != _u8(ref._e4m3(t[pick]).reshape(-1).to(torch.float8_e4m3fn))).sum())
+    assert 0 < int((_u8(q.scales)[0].reshape(-1) != _u8(ref.e4m3_scale(t[pick]).reshape(-1).to(torch.float8_e4m3fn))).sum())
 
 
 @pytest.mark.parametrize("rule, error", [("6", "mse"), ("4", "mse"), ("4over6", "mse"), ("4over6", "maxabs")])
@@ -205,7 +206,7 @@ def test_backend_triton_dispatches_tiles(spec, monkeypatch):
         assert torch.equal(_i32(v.cpu()), _i32(vr))
         assert torch.equal(f.cpu().float().view(torch.int32), vr.to(xi.dtype).float().view(torch.int32))
     assert len(calls) == 4
-    assert ref._triton_supports(spec) and not ref._triton_supports(bs.NVFP4(scale_rule="sweep", block_2d=True))
+    assert ref.triton_supports(spec) and not ref.triton_supports(bs.NVFP4(scale_rule="sweep", block_2d=True))
 
 
 # ---- fused NVFP4 [M, K] -> MX of the dequantized transpose [K, M] ----
@@ -280,7 +281,7 @@ def test_fused_dispatch_seeds_from_the_generator():
     with bs.use_backend("triton"):
         assert fused.fused_supported(q.to(DEV), mx)
         got, v = fused.nvfp4_to_mx_transposed(q.to(DEV), mx, torch.Generator().manual_seed(3), outputs="both")
-    seed = ref._triton_seed(torch.Generator().manual_seed(3), torch.device("cpu"))
+    seed = triton_seed(torch.Generator().manual_seed(3), torch.device("cpu"))
     bits = nt.random_bits(48 * 64, seed, device=DEV).cpu()
     with bs.use_backend("reference"):
         want, wv = fused.nvfp4_to_mx_transposed(q, mx, rand_bits=bits, outputs="both")

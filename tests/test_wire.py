@@ -1,4 +1,4 @@
-"""Wire codecs (quant/wire.py): token rows <-> self-contained byte rows for the MoE all-to-all."""
+"""Wire codecs (quant/transforms/wire.py): token rows <-> self-contained byte rows for the MoE all-to-all."""
 import pytest
 import torch
 

@@ -1,48 +1,47 @@
-"""blockscale: block-scaled low-precision formats (NVFP4, MXFP8/MXFP4, S2F6) for PyTorch.
+"""blockscale: block-scaled low-precision formats (NVFP4, MXFP8/MXFP4, FP8, S2F6) for PyTorch.
 
     import blockscale as bs
     q = bs.quantize(x, bs.NVFP4(scale_rule="4over6"))
     x_hat = q.dequantize()
+
+What a user needs, grouped as in ``__all__`` below; the sub-packages (``blockscale.quant``, ``.recipes``,
+``.nn``, ``.models``, ``.data``, ``.train``, ``.ptq``, ``.lsq``, ``.export``, ``.eval``) hold the rest.
 """
-from .quant import (
-    MX,
-    NVFP4,
-    S2F6,
-    TE_SIGNS_16,
-    QuantizedTensor,
-    dequantize,
-    fake_quantize,
-    get_backend,
-    hadamard,
-    hadamard_matrix,
-    inverse_hadamard,
-    quantize,
-    random_signs,
-    set_backend,
-    swizzle_scales,
-    unswizzle_scales,
-    use_backend,
-)
-from .recipes import LinearRecipe, Recipe, get_recipe, list_recipes, load_recipe_file, save_recipe  # noqa: E402
-from .nn import ConversionReport, QuantizedLinear, convert, unconvert  # noqa: E402
-from .models import PRESETS as MODEL_PRESETS, Llama, LlamaConfig, load_stories260k, load_tokenizer  # noqa: E402
-from .eval import PerplexityResult, perplexity  # noqa: E402
-from .paths import data_root  # noqa: E402
-from .nn import NVFP4Linear  # noqa: E402
-from .ptq import PTQConfig, PTQReport, quantize_model  # noqa: E402
-from .export import CheckpointError, checkpoint_format, export_checkpoint, load_checkpoint  # noqa: E402
+from .version import __version__
+from .errors import BlockscaleError, CheckpointError, DataError, QuantizationError, UsageError
+from .quant import (FP8, MX, NVFP4, S2F6, TE_SIGNS_16, Format, FormatSpec, QuantizedTensor, dequantize, fake_quantize,
+                    format_named, format_of, get_backend, hadamard, hadamard_matrix, inverse_hadamard,
+                    quantize, random_signs, set_backend, swizzle_scales, unswizzle_scales, use_backend)
+from .recipes import LinearRecipe, Recipe, get_recipe, list_recipes, load_recipe_file, save_recipe
+from .nn import ConversionReport, NVFP4Linear, QuantizedLinear, convert, unconvert
+from .data import data_root
+from .models import PRESETS as MODEL_PRESETS, Llama, LlamaConfig, load_stories260k, load_tokenizer
+from .eval import PerplexityResult, perplexity
+from .train import TrainConfig, TrainResult
+from .ptq import AWQOptions, GPTQOptions, PTQConfig, PTQReport, RTNOptions, SmoothQuantOptions, quantize_model
+from .lsq import DistillConfig, distill
+from .export import checkpoint_format, export_checkpoint, load_checkpoint
 
 load = load_checkpoint
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "MX", "NVFP4", "S2F6", "QuantizedTensor", "TE_SIGNS_16", "dequantize", "fake_quantize", "get_backend",
-    "hadamard", "hadamard_matrix", "inverse_hadamard", "quantize", "random_signs", "set_backend",
-    "swizzle_scales", "unswizzle_scales", "use_backend",
+    # formats and quantizing a tensor
+    "FP8", "MX", "NVFP4", "S2F6", "FormatSpec", "QuantizedTensor", "quantize", "dequantize", "fake_quantize",
+    "Format", "format_named", "format_of",  # (blockscale.quant.formats() lists them; bs.formats is the codecs package)
+    "get_backend", "set_backend", "use_backend",
+    "TE_SIGNS_16", "hadamard", "hadamard_matrix", "inverse_hadamard", "random_signs",
+    "swizzle_scales", "unswizzle_scales",
+    # recipes and quantized layers (training)
     "LinearRecipe", "Recipe", "get_recipe", "list_recipes", "load_recipe_file", "save_recipe",
-    "ConversionReport", "QuantizedLinear", "convert", "unconvert",
-    "MODEL_PRESETS", "Llama", "LlamaConfig", "load_stories260k", "load_tokenizer", "PerplexityResult", "perplexity",
-    "data_root", "NVFP4Linear", "PTQConfig", "PTQReport", "quantize_model", "CheckpointError", "checkpoint_format",
-    "export_checkpoint", "load", "load_checkpoint",
+    "ConversionReport", "QuantizedLinear", "convert", "unconvert", "NVFP4Linear",
+    # models and data
+    "MODEL_PRESETS", "Llama", "LlamaConfig", "load_stories260k", "load_tokenizer", "data_root",
+    # workflows
+    "TrainConfig", "TrainResult",  # blockscale.train.train runs it (bs.train is the package)
+    "PTQConfig", "PTQReport", "quantize_model", "RTNOptions", "AWQOptions", "SmoothQuantOptions", "GPTQOptions",
+    "DistillConfig", "distill",
+    "export_checkpoint", "load_checkpoint", "load", "checkpoint_format",
+    "PerplexityResult", "perplexity",
+    # errors
+    "BlockscaleError", "CheckpointError", "DataError", "QuantizationError", "UsageError",
 ]

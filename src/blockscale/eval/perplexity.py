@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+
+from .next_token import model_device, next_token_loss
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,6 @@ def _windows(tokens: torch.Tensor, ctx_len: int, bos_id: Optional[int]) -> list[
     return [torch.cat((bos, w)) for w in tokens.split(ctx_len - 1)]
 
 
-def _logits(model, idx: torch.Tensor) -> torch.Tensor:
-    out = model(idx)
-    return out.logits if hasattr(out, "logits") else out  # Hugging Face models return an output object
-
-
 @torch.no_grad()
 def perplexity(model, tokens: torch.Tensor, ctx_len: int, bos_id: Optional[int] = None, batch_size: int = 8,
                progress: bool = False) -> PerplexityResult:
@@ -56,7 +52,7 @@ def perplexity(model, tokens: torch.Tensor, ctx_len: int, bos_id: Optional[int] 
 
     ``model(idx [B, T])`` must return logits [B, T, V] or an object with ``.logits``. The model
     runs in its own dtype and device, in eval mode (its training flag is restored afterwards);
-    log-probabilities are taken in fp32 and summed in fp64.
+    log-probabilities are taken in fp32 and summed in fp64 (``next_token_loss``, weighting "tokens").
     """
     if tokens.dim() != 1 or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must be a 1-D integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
@@ -67,34 +63,11 @@ def perplexity(model, tokens: torch.Tensor, ctx_len: int, bos_id: Optional[int] 
     wins = _windows(tokens.long(), ctx_len, bos_id)
     if not wins:
         raise ValueError(f"nothing to score: {tokens.numel()} tokens")
-    try:
-        device = next(model.parameters()).device
-    except (AttributeError, StopIteration):
-        device = tokens.device
-
     # full-length windows go in batches; the shorter last window (if any) runs alone
     full = [w for w in wins if w.numel() == wins[0].numel()]
     batches = [torch.stack(full[i:i + batch_size]) for i in range(0, len(full), batch_size)]
     batches += [w[None] for w in wins[len(full):]]
-
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
-    total, count = 0.0, 0
-    try:
-        it = batches
-        if progress:
-            from tqdm.auto import tqdm
-            it = tqdm(batches, desc="perplexity", unit="batch")
-        for batch in it:
-            batch = batch.to(device)
-            logits = _logits(model, batch[:, :-1]).float()
-            targets = batch[:, 1:]
-            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
-            total += float(nll.double())
-            count += targets.numel()
-    finally:
-        if was_training and hasattr(model, "train"):
-            model.train()
-    loss = total / count
+    loss, count = next_token_loss(model, [(b[:, :-1], b[:, 1:]) for b in batches],
+                                  device=model_device(model, tokens.device),
+                                  progress="perplexity" if progress else None, leave=True)
     return PerplexityResult(tokens_evaluated=count, loss=loss, ppl=math.exp(loss))

@@ -14,11 +14,10 @@ from torch import nn
 
 from ..nn.coverage import weight_coverage
 from ..nn.nvfp4_linear import NVFP4Linear
-from . import compressed_tensors, modelopt
-from .common import (CONFIG_FILE, FORMATS, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype,
-                     resolve_format)
+from .common import CONFIG_FILE, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype
 from .destination import atomic_directory, check_output, written_by_export
-from .fused import check_group_membership, check_shared_scales, sibling_groups
+from .registry import CheckpointFormat, format_named
+from .shared_scales import check_group_membership, check_shared_scales, sibling_groups
 from .writer import parse_size, write_json, write_safetensors
 
 
@@ -132,12 +131,12 @@ def _activation_meta(quantized: dict[str, NVFP4Linear]) -> dict:
     return meta
 
 
-def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt) -> dict[str, torch.Tensor]:
+def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt: CheckpointFormat) -> dict[str, torch.Tensor]:
     state = drop_shared(model, model.state_dict())
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         mod, _, leaf = key.rpartition(".")
-        if mod in quantized and leaf in fmt.RENAME:
+        if mod in quantized and leaf in fmt.tensor_names:
             leaf, t = fmt.export_tensor(leaf, t)
             key = f"{mod}.{leaf}"
         if key in out:
@@ -146,10 +145,10 @@ def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt) -> dict[s
     return out
 
 
-# compressed-tensors' runtime (0.20.1) decompresses NVFP4 weights to bfloat16 whatever the model dtype
-# (``unpack_fp4_from_uint8`` defaults to bf16), so transformers' default ``dtype="auto"`` (= config.json's
-# dtype) must be bfloat16 for the first forward to run; our own loader reads ``blockscale.dtype`` instead.
-SERVING_DTYPE = {compressed_tensors.NAME: torch.bfloat16}
+# config.json's dtype is the format's ``serving_dtype`` when it has one (compressed-tensors' runtime
+# decompresses NVFP4 weights to bfloat16 whatever the model dtype, so transformers' default
+# ``dtype="auto"`` must be bfloat16 for the first forward to run); our own loader reads
+# ``blockscale.dtype`` instead.
 USE_CACHE_ATTR = "blockscale_use_cache"  # the model's own use_cache, set by models.hf.load_model
 
 
@@ -174,7 +173,8 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
 
     format: "compressed-tensors" (``nvfp4-pack-quantized``; vLLM / SGLang / TensorRT-LLM) or "modelopt"
       (ModelOpt unified HF checkpoint, ``modelopt_fp4``). Both store the same packed codes and E4M3 block
-      scales; compressed-tensors stores the encode scale S, ModelOpt its reciprocal fl(1/S).
+      scales; compressed-tensors stores the encode scale S, ModelOpt its reciprocal fl(1/S). Any format
+      registered in ``export.registry`` (``export.FORMATS``, with its aliases) is accepted.
     Every module holding floating-point weight matrices (>= 2 dims) that are not NVFP4 (other
     ``nn.Linear``, fused 3-D MoE experts, routers) is written in high precision and listed in
     ``ignore`` / ``exclude_modules`` (embeddings are not listed: no engine quantizes them); the report
@@ -188,7 +188,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     Fused siblings (q/k/v, gate/up, w1/w3) must share one outer scale (ValueError otherwise).
     Files: safetensors (sharded above ``max_shard_size`` with ``model.safetensors.index.json``),
     config.json (+ ``quantization_config``), generation_config.json, tokenizer files (if ``tokenizer``),
-    hf_quant_config.json (ModelOpt), ``extra_files``, blockscale_report.json; each with mode
+    the format's side files (ModelOpt: hf_quant_config.json), ``extra_files``, blockscale_report.json; each with mode
     0o666 & ~umask. All are written into a temporary sibling ``.NAME.tmp-<host>-<pid>-<hex>`` renamed
     into place at the end (stale ones left by killed exports of NAME are deleted; see ``destination``).
     An existing non-empty ``out_dir`` is refused (FileExistsError) unless ``overwrite=True`` and it is a
@@ -200,8 +200,8 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
       such as ptq_report.json), recorded in the report's ``written_files``.
     Returns the output directory.
     """
-    fmt_name = resolve_format(format)
-    fmt = FORMATS[fmt_name]
+    fmt = format_named(format)
+    fmt_name = fmt.name
     shard_bytes = parse_size(max_shard_size)
     if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "to_json_string"):
         raise TypeError("model must be a transformers PreTrainedModel (an nn.Module with a .config)")
@@ -231,9 +231,8 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         check_shared_scales({n: m.input_global_scale for n, m in quantized.items()},
                             "input_global_scale (activation encode scale)", groups,
                             " For activations: calibrate the group on its shared input (one amax).")
-        if fmt_name == modelopt.NAME:
-            for n, m in quantized.items():
-                modelopt.check_exportable_input_scale(n, m.input_global_scale)
+    for n, m in quantized.items():
+        fmt.check_module(n, m)
 
     version = blockscale_version()
     dtype = model_dtype(model)
@@ -248,11 +247,8 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         bs_meta["method"] = user_meta["method"]
     if user_meta:
         bs_meta["metadata"] = user_meta
-    if fmt_name == compressed_tensors.NAME:
-        qcfg = compressed_tensors.quantization_config(w4a4, ignore, bs_meta)
-    else:
-        qcfg = modelopt.quantization_config(w4a4, ignore, producer, bs_meta)
-    config_json = _config_json(model, SERVING_DTYPE.get(fmt_name, dtype), qcfg)
+    qcfg = fmt.quantization_config(w4a4, ignore, producer, bs_meta)
+    config_json = _config_json(model, fmt.serving_dtype or dtype, qcfg)
     tensors = _tensors(model, quantized, fmt)
 
     with atomic_directory(out_dir, overwrite) as tmp:
@@ -261,8 +257,8 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         gen = getattr(model, "generation_config", None)
         if gen is not None and getattr(model, "can_generate", lambda: False)():
             gen.save_pretrained(str(tmp))
-        if fmt_name == modelopt.NAME:
-            write_json(tmp / modelopt.HF_QUANT_CONFIG, modelopt.hf_quant_config(w4a4, ignore, producer))
+        for name, obj in fmt.side_files(w4a4, ignore, producer).items():
+            write_json(tmp / name, obj)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         for name, obj in extras.items():

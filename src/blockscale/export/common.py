@@ -1,5 +1,6 @@
-"""Pieces shared by export and load: the two format modules, tied-weight de-duplication, errors, and
-recognising our own exports."""
+"""Pieces shared by export and load: tied-weight de-duplication, the model dtype, our version, and
+recognising our own exports. (The checkpoint formats are in ``registry``; the error is
+``blockscale.errors.CheckpointError``, re-exported here.)"""
 from __future__ import annotations
 
 import json
@@ -13,26 +14,13 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from . import compressed_tensors, modelopt
+from ..version import __version__
+from .registry import FORMATS
 
-FORMATS = {compressed_tensors.NAME: compressed_tensors, modelopt.NAME: modelopt}
 CONFIG_FILE = "config.json"
 REPORT_FILE = "blockscale_report.json"
 PRODUCER = "blockscale"
 _MAX_METADATA_BYTES = 64 * 2**20
-_ALIASES = {
-    "compressed-tensors": compressed_tensors.NAME, "compressed_tensors": compressed_tensors.NAME,
-    "nvfp4-pack-quantized": compressed_tensors.NAME, "ct": compressed_tensors.NAME,
-    "modelopt": modelopt.NAME, "modelopt_fp4": modelopt.NAME, "modelopt-fp4": modelopt.NAME,
-}
-
-
-def resolve_format(name: str) -> str:
-    key = str(name).strip().lower()
-    if key not in _ALIASES:
-        raise ValueError(f"format={name!r}; supported: 'compressed-tensors' (nvfp4-pack-quantized) and 'modelopt' "
-                         "(modelopt_fp4)")
-    return _ALIASES[key]
 
 
 def tied_targets(model: nn.Module) -> set[str]:
@@ -80,12 +68,8 @@ def model_dtype(model: nn.Module) -> torch.dtype:
 
 
 def blockscale_version() -> str:
-    try:
-        import blockscale
-
-        return str(getattr(blockscale, "__version__", "unknown"))
-    except Exception:  # pragma: no cover
-        return "unknown"
+    """``blockscale.__version__`` (pyproject.toml's ``version``), from ``blockscale.version``."""
+    return __version__
 
 
 def _own_json(path: Path) -> Optional[object]:
@@ -129,4 +113,4 @@ def is_blockscale_export(path: Union[str, os.PathLike]) -> bool:
 
 
 __all__ = ["CONFIG_FILE", "CheckpointError", "FORMATS", "REPORT_FILE", "blockscale_report", "drop_shared",
-           "is_blockscale_export", "model_dtype", "resolve_format", "tied_targets"]
+           "is_blockscale_export", "model_dtype", "tied_targets"]

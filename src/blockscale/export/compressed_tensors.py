@@ -9,11 +9,12 @@ dumped by ``ModelCompressor.update_config`` (release 0.20.1) for the NVFP4 / NVF
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from . import schema
+from .registry import CheckpointFormat, LayerTensors, QuantScheme, register
 
 NAME = "compressed-tensors"
 QUANT_METHOD = "compressed-tensors"
@@ -35,9 +36,10 @@ def _args(dynamic, observer: Optional[str] = None) -> dict:
     return a
 
 
-def quantization_config(w4a4: bool, ignore: list[str], blockscale: dict) -> dict:
+def quantization_config(w4a4: bool, ignore: list[str], producer: dict, blockscale: dict) -> dict:
     """config.json ``quantization_config``: group_0 targets every Linear; ``ignore`` names every module
-    kept in high precision (Linears, routers, fused 3-D MoE experts), so no engine reads it as NVFP4."""
+    kept in high precision (Linears, routers, fused 3-D MoE experts), so no engine reads it as NVFP4.
+    (``producer`` is not part of compressed-tensors' schema: the report and ``blockscale`` record it.)"""
     group = {
         "targets": ["Linear"],
         "weights": _args(False),
@@ -96,9 +98,15 @@ def _matcher(patterns: list[str], key: str):
     return lambda name: name in exact or any(r.match(name) for r in regexes)
 
 
-def parse_config(qcfg: dict) -> dict:
-    """-> {"w4a4": bool, "is_ignored": f(name), "is_target": f(name)}; ``ConfigError`` naming the key
-    of any malformed or non-NVFP4 field."""
+def detects(qcfg: Optional[dict], has_file) -> bool:
+    """``quantization_config.quant_method`` is "compressed-tensors" (any case)."""
+    method = qcfg.get("quant_method") if qcfg is not None else None
+    return isinstance(method, str) and method.lower() == QUANT_METHOD
+
+
+def parse_config(qcfg: Optional[dict], side_files: Mapping[str, dict]) -> QuantScheme:
+    """The scheme config.json's ``quantization_config`` describes (no side files); ``ConfigError``
+    naming the key of any malformed or non-NVFP4 field."""
     qcfg = schema.obj(qcfg, _QC)
     if qcfg.get("quant_method") != QUANT_METHOD:
         raise ConfigError(f"{_QC}.quant_method {schema.short(qcfg.get('quant_method'))} is not {QUANT_METHOD!r}")
@@ -125,11 +133,8 @@ def parse_config(qcfg: dict) -> dict:
     type_targets = {t for t in targets if t in ("Linear", "nn.Linear")}
     name_match = _matcher(targets, f"{key}.targets")
     ignored = _matcher(schema.str_list(qcfg.get("ignore"), f"{_QC}.ignore"), f"{_QC}.ignore")
-    return {
-        "w4a4": bool(acts),
-        "is_ignored": ignored,
-        "is_target": lambda name: bool(type_targets) or name_match(name),
-    }
+    return QuantScheme(w4a4=bool(acts), is_ignored=ignored,
+                       is_target=lambda name: bool(type_targets) or name_match(name))
 
 
 def expected_tensors(in_features: int, out_features: int, w4a4: bool) -> dict[str, tuple[torch.dtype, tuple]]:
@@ -142,11 +147,11 @@ def expected_tensors(in_features: int, out_features: int, w4a4: bool) -> dict[st
     return d
 
 
-def encode_scales(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(S, S_in) as FP32 [1] from the module's on-disk tensors."""
-    S = t["weight_global_scale"].to(torch.float32).reshape(1)
+def read_layer(t: dict[str, torch.Tensor]) -> LayerTensors:
+    """The module's on-disk tensors -> NVFP4Linear fields (S and S_in stored as they are, FP32 [1])."""
     S_in = t.get("input_global_scale")
-    return S, (None if S_in is None else S_in.to(torch.float32).reshape(1))
+    return LayerTensors(t["weight_packed"], t["weight_scale"], t["weight_global_scale"].to(torch.float32).reshape(1),
+                        None if S_in is None else S_in.to(torch.float32).reshape(1))
 
 
 def decode_scale(stored: torch.Tensor) -> torch.Tensor:
@@ -154,13 +159,10 @@ def decode_scale(stored: torch.Tensor) -> torch.Tensor:
     return 1.0 / stored.to(torch.float32)
 
 
-def weight_tensors(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return t["weight_packed"], t["weight_scale"]
+FORMAT = register(CheckpointFormat(
+    name=NAME, quant_method=QUANT_METHOD, aliases=("compressed_tensors", PACK_FORMAT, "ct"), tensor_names=RENAME,
+    quantization_config=quantization_config, export_tensor=export_tensor, detects=detects, parse_config=parse_config,
+    expected_tensors=expected_tensors, read_layer=read_layer, decode_scale=decode_scale,
+    serving_dtype=torch.bfloat16, detection=f"quant_method {QUANT_METHOD!r}"))
 
-
-def global_scale_tensors(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors fused siblings must share (name -> stored value)."""
-    return {k: t[k] for k in ("weight_global_scale", "input_global_scale") if k in t}
-
-
-__all__ = ["NAME", "PACK_FORMAT", "quantization_config", "parse_config", "expected_tensors"]
+__all__ = ["FORMAT", "NAME", "PACK_FORMAT", "quantization_config", "parse_config", "expected_tensors", "read_layer"]

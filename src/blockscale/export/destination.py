@@ -29,10 +29,12 @@ from typing import Iterable, Iterator, Optional, Union
 
 from ..errors import UsageError
 from .common import CONFIG_FILE, REPORT_FILE, blockscale_report, is_blockscale_export
+from .registry import side_file_names
 
-# the names export_checkpoint writes itself (besides the shards), and the run reports the CLI adds
-EXPORT_FILES = frozenset({CONFIG_FILE, REPORT_FILE, "generation_config.json", "hf_quant_config.json",
-                          "model.safetensors", "model.safetensors.index.json"})
+# the names export_checkpoint writes itself (besides the shards and the formats' side files such as
+# hf_quant_config.json), and the run reports the CLI adds
+EXPORT_FILES = frozenset({CONFIG_FILE, REPORT_FILE, "generation_config.json", "model.safetensors",
+                          "model.safetensors.index.json"})
 RUN_FILES = frozenset({"ptq_report.json", "lsq_report.json"})
 TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                              "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
@@ -43,8 +45,10 @@ _ACTIVE: set[str] = set()  # temporary directories this process is writing now (
 
 
 def written_by_export(name: str) -> bool:
-    """True for a file name export_checkpoint writes itself (shards, index, configs, report, tokenizer)."""
-    return name in EXPORT_FILES or name in TOKENIZER_FILES or bool(_SHARD.fullmatch(name))
+    """True for a file name export_checkpoint writes itself (shards, index, configs, a registered
+    format's side files, report, tokenizer)."""
+    return (name in EXPORT_FILES or name in TOKENIZER_FILES or name in side_file_names()
+            or bool(_SHARD.fullmatch(name)))
 
 
 def is_own_name(name: str) -> bool:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError
-from ..paths import resolves_inside
+from ..data.paths import resolves_inside
 from .schema import kind, short
 from .writer import INDEX_FILE, SINGLE_FILE
 

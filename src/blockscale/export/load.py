@@ -1,9 +1,13 @@
 """load_checkpoint / checkpoint_format: read an NVFP4 checkpoint back into a transformers model whose
 quantized Linears are ``NVFP4Linear`` (logits equal the exported model's bit for bit).
 
+Which format a checkpoint is comes from the one detector (``models.checkpoint_detection``, fed by the
+registered formats); everything format-specific (config parsing, tensor names, reading a layer, the
+decode scale) is a field of its ``CheckpointFormat`` (``registry``), so nothing here names a format.
+
 A checkpoint is untrusted input. In order, before anything is allocated: every file read resolves
-inside the directory (``files``); config fields are type-checked and bounded (``schema``, the format
-modules); the safetensors headers are parsed; config sizes are compared with the header shapes; the
+inside the directory (``files``); config fields are type-checked and bounded (``schema``, the format's
+``parse_config``); the safetensors headers are parsed; config sizes are compared with the header shapes; the
 architecture is built on the meta device and every expected tensor's name, dtype and shape compared
 with the headers; then block scales, outer / input scales and plain tensors are validated and fused
 siblings' scales compared (``validate``), and the SHA-256 digests our exports record are verified
@@ -21,11 +25,13 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..models.checkpoint_detection import detected_format, file_inside
 from ..nn.nvfp4_linear import NVFP4Linear
-from . import compressed_tensors, modelopt, schema
+from . import schema
 from .common import FORMATS, CheckpointError, drop_shared, tied_targets
 from .files import Shards, checkpoint_dir, inside, read_json
-from .fused import check_shared_scales, sibling_groups
+from .registry import CheckpointFormat, QuantScheme
+from .shared_scales import check_shared_scales, sibling_groups
 from .validate import (check_block_scales, check_decode_range, check_finite, check_model_bytes, check_outer_scale,
                        check_sizes, verify_digests)
 
@@ -33,40 +39,43 @@ CONFIG_FILE = "config.json"
 LOAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _format(root: Path, cfg: dict) -> str:
+def _format(root: Path, cfg: dict) -> CheckpointFormat:
+    """The registered format that claims the checkpoint (``models.checkpoint_detection``)."""
     q = cfg.get("quantization_config")
+    name = detected_format(q if isinstance(q, dict) else None, file_inside(root))
+    if name is not None:
+        return FORMATS[name]
     method = q.get("quant_method") if isinstance(q, dict) else None
     method = method.lower() if isinstance(method, str) else ""
-    if method == compressed_tensors.QUANT_METHOD:
-        return compressed_tensors.NAME
-    if method.startswith("modelopt"):
-        return modelopt.NAME
-    if not method and (root / modelopt.HF_QUANT_CONFIG).is_file():
-        return modelopt.NAME
+    expected = "; ".join(f"{f.name}: {f.detection or f.quant_method!r}" for f in FORMATS.values())
     raise CheckpointError(f"{root}: not an NVFP4 checkpoint (config.json quantization_config.quant_method="
-                          f"{method or None!r}; expected 'compressed-tensors' or 'modelopt', or an "
-                          "hf_quant_config.json)")
+                          f"{method or None!r}; expected {expected})")
 
 
 def checkpoint_format(path: Union[str, os.PathLike]) -> str:
-    """"compressed-tensors" or "modelopt", from config.json's ``quantization_config.quant_method``
-    (else the presence of hf_quant_config.json)."""
+    """The name of the checkpoint's format ("compressed-tensors", "modelopt", or another registered
+    one), from config.json's ``quantization_config.quant_method`` (ModelOpt: else the presence of
+    hf_quant_config.json)."""
     root = checkpoint_dir(path)
-    return _format(root, read_json(inside(root, CONFIG_FILE, "model config"), CONFIG_FILE))
+    return _format(root, read_json(inside(root, CONFIG_FILE, "model config"), CONFIG_FILE)).name
 
 
 # ---- configs --------------------------------------------------------------------------------------
-def _quant_spec(root: Path, fmt_name: str, cfg: dict) -> tuple[dict, dict]:
-    """(format spec from parse_config, checked quantization_config.blockscale section)."""
+def _side_files(root: Path, fmt: CheckpointFormat) -> dict[str, dict]:
+    """The format's side files that are present, each read as a checked JSON object."""
+    out = {}
+    for name, what in fmt.side_file_names.items():
+        f = root / name
+        if f.exists() or f.is_symlink():
+            out[name] = read_json(inside(root, name, what), name)
+    return out
+
+
+def _quant_spec(root: Path, fmt: CheckpointFormat, cfg: dict) -> tuple[QuantScheme, dict]:
+    """(the scheme from the format's parse_config, checked quantization_config.blockscale section)."""
     inline = cfg.get("quantization_config")
     try:
-        if fmt_name == compressed_tensors.NAME:
-            spec = compressed_tensors.parse_config(inline)
-        else:
-            hfq = root / modelopt.HF_QUANT_CONFIG
-            hq = read_json(inside(root, modelopt.HF_QUANT_CONFIG, "ModelOpt config"), modelopt.HF_QUANT_CONFIG) \
-                if hfq.exists() or hfq.is_symlink() else None
-            spec = modelopt.parse_config(hq, inline)
+        spec = fmt.parse_config(inline, _side_files(root, fmt))
         return spec, schema.blockscale_section(inline)
     except schema.ConfigError as e:
         raise CheckpointError(f"{root / (e.file or CONFIG_FILE)}: {e}") from None
@@ -159,11 +168,11 @@ def _unshared(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: t for k, t in state.items() if k not in drop}
 
 
-def _plan(model: nn.Module, spec: dict, bs: dict, fmt, config_path: Path) -> _Plan:
-    w4a4 = spec["w4a4"]
+def _plan(model: nn.Module, spec: QuantScheme, bs: dict, fmt: CheckpointFormat, config_path: Path) -> _Plan:
+    w4a4 = spec.w4a4
     quantized: dict[str, _QLinear] = {}
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or spec["is_ignored"](name) or not spec["is_target"](name):
+        if not isinstance(m, nn.Linear) or not spec.quantizes(name):
             continue
         if m.in_features % 16:
             raise CheckpointError(f"{config_path}: {name}: in_features={m.in_features} is not a multiple of 16, so it "
@@ -219,8 +228,8 @@ def _check_plan(plan: _Plan, shards: Shards, root: Path, fmt_name: str, w4a4: bo
                                   "cast)")
 
 
-def _check_values(plan: _Plan, shards: Shards, fmt, root: Path) -> None:
-    scale, outer = fmt.RENAME["weight_scale"], (fmt.RENAME["weight_global_scale"], fmt.RENAME["input_global_scale"])
+def _check_values(plan: _Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
+    scale, outer = fmt.suffix("weight_scale"), (fmt.suffix("weight_global_scale"), fmt.suffix("input_global_scale"))
     for key, (_, suffix, _, _) in plan.expected_q.items():
         if suffix == scale:
             check_block_scales(key, shards.view(key), shards.path(key))
@@ -247,7 +256,7 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
-def _fill(model: nn.Module, plan: _Plan, shards: Shards, fmt, dtype: torch.dtype) -> None:
+def _fill(model: nn.Module, plan: _Plan, shards: Shards, fmt: CheckpointFormat, dtype: torch.dtype) -> None:
     quantized: dict[str, NVFP4Linear] = {}
     for name, q in plan.quantized.items():
         w = model.get_submodule(name).weight
@@ -265,15 +274,14 @@ def _fill(model: nn.Module, plan: _Plan, shards: Shards, fmt, dtype: torch.dtype
         for name, m in quantized.items():
             t = {s: shards.get(key) for key, (n, s, _, _) in plan.expected_q.items() if n == name}
             try:
-                S, S_in = fmt.encode_scales(t)
+                layer = fmt.read_layer(t)
             except ValueError as e:
                 raise CheckpointError(f"{shards.root}: {name}: {e}") from None
-            packed, scales = fmt.weight_tensors(t)
-            m.weight_packed.copy_(packed)
-            m.weight_scale.copy_(scales)
-            m.weight_global_scale.copy_(S)
-            if S_in is not None:
-                m.input_global_scale.copy_(S_in)
+            m.weight_packed.copy_(layer.weight_packed)
+            m.weight_scale.copy_(layer.weight_scale)
+            m.weight_global_scale.copy_(layer.weight_global_scale)
+            if layer.input_global_scale is not None:
+                m.input_global_scale.copy_(layer.input_global_scale)
         for key, target in plain.items():
             target.copy_(shards.view(key).to(target.dtype))
 
@@ -298,9 +306,8 @@ def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtyp
     root = checkpoint_dir(path)
     config_path = inside(root, CONFIG_FILE, "model config")
     cfg = read_json(config_path, CONFIG_FILE)
-    fmt_name = _format(root, cfg)
-    fmt = FORMATS[fmt_name]
-    spec, bs = _quant_spec(root, fmt_name, cfg)
+    fmt = _format(root, cfg)
+    spec, bs = _quant_spec(root, fmt, cfg)
     try:
         schema.check_model_config(cfg)
     except schema.ConfigError as e:
@@ -312,7 +319,7 @@ def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtyp
         check_sizes(cfg, shards, config_path)
         config = _transformers_config(cfg, config_path)
         plan = _plan(_build(config, dtype, config_path, meta=True), spec, bs, fmt, config_path)
-        _check_plan(plan, shards, root, fmt_name, spec["w4a4"], explicit)
+        _check_plan(plan, shards, root, fmt.name, spec.w4a4, explicit)
         check_model_bytes(plan.model_bytes, shards, config_path)
         _check_values(plan, shards, fmt, root)
         if verify:

@@ -15,11 +15,12 @@ TensorRT-LLM's ``QuantAlgo`` enum has no such member, so only W4A4 loads everywh
 from __future__ import annotations
 
 import fnmatch
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from . import schema
+from .registry import CheckpointFormat, LayerTensors, QuantScheme, register
 
 NAME = "modelopt"
 QUANT_METHOD = "modelopt"
@@ -92,6 +93,10 @@ def encode_scale_from_decode(r: torch.Tensor, what: str = "weight_scale_2") -> t
     raise ValueError(f"{what}={float(r)!r}: no FP32 encode scale S has fl(1/S) equal to it")
 
 
+def side_files(w4a4: bool, exclude: list[str], producer: dict) -> dict[str, dict]:
+    return {HF_QUANT_CONFIG: hf_quant_config(w4a4, exclude, producer)}
+
+
 def check_exportable_input_scale(name: str, S_in: torch.Tensor) -> None:
     """ModelOpt stores fl(1/S_in); the activation quantizer uses S_in itself, so S_in must be a
     reciprocal fixed point (what ``input_encode_scale`` produces) to reload bit for bit."""
@@ -103,12 +108,31 @@ def check_exportable_input_scale(name: str, S_in: torch.Tensor) -> None:
                          "input_encode_scale does) or export to compressed-tensors")
 
 
+def check_module(name: str, m) -> None:
+    """An NVFP4Linear ``m`` stores bit for bit: its input scale (W4A4) is a reciprocal fixed point."""
+    if m.input_global_scale is not None:
+        check_exportable_input_scale(name, m.input_global_scale)
+
+
 # ---- loading ---------------------------------------------------------------------------------------
 ConfigError = schema.ConfigError
 _QC = "quantization_config"
 
 
-def parse_config(hf_quant: Optional[dict], inline: Optional[dict]) -> dict:
+def detects(qcfg: Optional[dict], has_file) -> bool:
+    """``quantization_config.quant_method`` starts with "modelopt" (any case), or there is no
+    quant_method and the directory holds hf_quant_config.json."""
+    method = qcfg.get("quant_method") if qcfg is not None else None
+    method = method.lower() if isinstance(method, str) else ""
+    return method.startswith(QUANT_METHOD) or (not method and has_file(HF_QUANT_CONFIG))
+
+
+def parse_config(inline: Optional[dict], side: Mapping[str, dict]) -> QuantScheme:
+    """``parse_quant_config`` of config.json's inline config and hf_quant_config.json (if present)."""
+    return parse_quant_config(side.get(HF_QUANT_CONFIG), inline)
+
+
+def parse_quant_config(hf_quant: Optional[dict], inline: Optional[dict]) -> QuantScheme:
     """From hf_quant_config.json (authoritative, as TensorRT-LLM does) or config.json's inline config
     (whose fields are type-checked either way); ``ConfigError`` (with ``.file``) naming the key of any
     malformed or unsupported field."""
@@ -143,7 +167,7 @@ def parse_config(hf_quant: Optional[dict], inline: Optional[dict]) -> dict:
     def is_ignored(name: str) -> bool:
         return any(name == p or fnmatch.fnmatchcase(name, p) for p in exclude)
 
-    return {"w4a4": algo == ALGO_W4A4, "is_ignored": is_ignored, "is_target": lambda name: True}
+    return QuantScheme(w4a4=algo == ALGO_W4A4, is_ignored=is_ignored, is_target=lambda name: True)
 
 
 def expected_tensors(in_features: int, out_features: int, w4a4: bool) -> dict[str, tuple[torch.dtype, tuple]]:
@@ -155,7 +179,9 @@ def expected_tensors(in_features: int, out_features: int, w4a4: bool) -> dict[st
     return d
 
 
-def encode_scales(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def read_layer(t: dict[str, torch.Tensor]) -> LayerTensors:
+    """The module's on-disk tensors -> NVFP4Linear fields: S recovered from fl(1/S)
+    (``encode_scale_from_decode``), S_in = fl(1/input_scale)."""
     S = encode_scale_from_decode(t["weight_scale_2"], "weight_scale_2")
     S_in = None
     if "input_scale" in t:
@@ -163,7 +189,7 @@ def encode_scales(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Optional[to
         if not (bool(torch.isfinite(r)) and float(r) > 0):
             raise ValueError(f"input_scale={float(r)!r}: must be a positive finite FP32 value")
         S_in = (1.0 / r).reshape(1)
-    return S, S_in
+    return LayerTensors(t["weight"], t["weight_scale"], S, S_in)
 
 
 def decode_scale(stored: torch.Tensor) -> torch.Tensor:
@@ -171,13 +197,12 @@ def decode_scale(stored: torch.Tensor) -> torch.Tensor:
     return stored.to(torch.float32)
 
 
-def weight_tensors(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return t["weight"], t["weight_scale"]
+FORMAT = register(CheckpointFormat(
+    name=NAME, quant_method=QUANT_METHOD, aliases=("modelopt_fp4", "modelopt-fp4"), tensor_names=RENAME,
+    quantization_config=quantization_config, export_tensor=export_tensor, detects=detects, parse_config=parse_config,
+    expected_tensors=expected_tensors, read_layer=read_layer, decode_scale=decode_scale, side_files=side_files,
+    side_file_names={HF_QUANT_CONFIG: "ModelOpt config"}, check_module=check_module,
+    detection=f"quant_method {QUANT_METHOD!r} (or none and an {HF_QUANT_CONFIG})"))
 
-
-def global_scale_tensors(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: t[k] for k in ("weight_scale_2", "input_scale") if k in t}
-
-
-__all__ = ["NAME", "HF_QUANT_CONFIG", "hf_quant_config", "quantization_config", "parse_config",
-           "expected_tensors", "encode_scale_from_decode"]
+__all__ = ["FORMAT", "NAME", "HF_QUANT_CONFIG", "hf_quant_config", "quantization_config", "parse_config",
+           "parse_quant_config", "expected_tensors", "encode_scale_from_decode", "read_layer"]

@@ -13,8 +13,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..nn.nvfp4_linear import INPUT_SCALE_RULES
-from ..quant.specs import NVFP4_ERRORS
+from ..quant.nvfp4 import INPUT_SCALE_RULES, NVFP4_ERRORS
+from .writer import DIGEST_ALGO, DIGEST_MARKER
 
 
 class ConfigError(ValueError):
@@ -170,8 +170,6 @@ def blockscale_section(qcfg: Any) -> dict:
     """Our section of ``quantization_config`` (absent in other producers' checkpoints), checked:
     {"input_scale_rule", "input_error", "input_overrides": {module: {...}}, "tensor_digests", "dtype"}
     (``dtype``: the model dtype of the non-quantized tensors, when config.json's is a serving dtype)."""
-    from .writer import DIGEST_ALGO, DIGEST_MARKER  # (writer imports the format modules, which import this one)
-
     key = "quantization_config.blockscale"
     bs = obj(qcfg.get("blockscale") if isinstance(qcfg, dict) else None, key, optional=True)
 

@@ -17,6 +17,7 @@ power-of-two multiplies are used, so eager and compiled code give identical bits
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,21 @@ class FloatFormat:
     @property
     def min_subnormal(self) -> float:
         return 2.0 ** (self.emin - self.mbits)
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the top binade: max = m * 2**emax with 1 <= m < 2 (E2M1 2, E4M3 8, E5M2 15)."""
+        return math.floor(math.log2(self.max))
+
+    @property
+    def ebits(self) -> int:
+        """Exponent field width (the bias is 1 - emin = 2**(ebits-1) - 1)."""
+        return int(math.log2(2 - self.emin)) + 1
+
+    @property
+    def bits(self) -> int:
+        """Bits of one element: sign + exponent + mantissa (E2M1 4, E4M3 / E5M2 8)."""
+        return 1 + self.ebits + self.mbits
 
 
 E2M1 = FloatFormat("e2m1", mbits=1, emin=0, max=6.0)

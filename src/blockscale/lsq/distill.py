@@ -17,23 +17,17 @@ each rank draws its own slice of the global batch, and only rank 0 writes files.
 """
 from __future__ import annotations
 
-import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..train.data import derive_seed
-from ..train.distributed import (DistInfo, all_reduce_mean, barrier, cleanup_distributed, no_sync,
-                                 setup_distributed, wrap_ddp)
-from ..train.checkpoint import CheckpointError, check_record, load_weights_only, save_atomic
-from ..train.trainer import _Bar, _truncate_metrics, clip_gradients, plot_losses
+from ..eval.next_token import model_device, next_token_loss, output_logits
+from ..train import CheckpointContents, DistInfo, LoopConfig, StepReport, derive_seed, run_training
 from .enable import lsq_layers, scale_parameters, weight_parameters
 
 DISTILL_TRAIN = ("scales", "all")
@@ -97,15 +91,6 @@ class DistillConfig:
 
 # ----------------------------------------------------------------------------- loss
 
-def _logits(out) -> torch.Tensor:
-    """Logits from an HF output (``.logits``), a (logits, loss) tuple, or a tensor."""
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
-
-
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, x: torch.Tensor,
                  temperature: float = 1.0, ce_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, kl, ce) in FP32, means over tokens: kl = T^2 * KL(teacher_T || student_T) over all positions,
@@ -132,35 +117,15 @@ def _batch(tokens: torch.Tensor, cfg: DistillConfig, step: int, micro: int, info
     return tokens[rows[:, None], cols].long()
 
 
-@torch.no_grad()
 def eval_next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int = 4,
                          seq_len: Optional[int] = None, info: DistInfo = DistInfo(), progress: bool = False) -> float:
     """Mean next-token cross entropy of ``model`` on the windows ``tokens`` [n, T] (first ``seq_len``
-    tokens of each; rows split over ranks, token-weighted mean over ranks); ``progress``: its own bar
-    ("evaluation", removed when done)."""
-    was = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    x_all = tokens[:, :seq_len] if seq_len else tokens
-    rows = x_all[info.rank::info.world_size]
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    count = torch.zeros((), dtype=torch.float64, device=device)
-    starts = range(0, rows.shape[0], batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-
-        starts = tqdm(starts, desc="evaluation", unit="batch", leave=False, dynamic_ncols=True)
-    for i in starts:
-        x = rows[i:i + batch_size].long().to(device)
-        lg = _logits(model(x)).float()
-        total += F.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").double()
-        count += x[:, 1:].numel()
-    model.train(was)
-    if info.enabled:
-        both = torch.stack([total, count])
-        dist.all_reduce(both)
-        total, count = both[0], both[1]
-    return float(total / count.clamp(min=1))
+    tokens of each; rows split over ranks, token-weighted mean over ranks): ``eval.next_token_loss``
+    on (window, window[1:]) batches; ``progress``: its own bar ("evaluation", removed when done)."""
+    rows = (tokens[:, :seq_len] if seq_len else tokens)[info.rank::info.world_size]
+    batches = [(x, x[:, 1:]) for x in (rows[i:i + batch_size] for i in range(0, rows.shape[0], batch_size))]
+    return next_token_loss(model, batches, device=model_device(model), world_size=info.world_size,
+                           progress="evaluation" if progress else None)[0]
 
 
 def steps_per_scale_step(model: nn.Module, lr: float, max_samples: int = 1 << 20) -> tuple[float, float]:
@@ -178,34 +143,87 @@ def steps_per_scale_step(model: nn.Module, lr: float, max_samples: int = 1 << 20
     return med, 0.0625 * med / lr
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- the task on the one loop
 
-def _save(path: Path, trainable: dict, optimizer, step: int, cfg: DistillConfig, **extra) -> Path:
-    obj = {"format": DISTILL_CKPT_FORMAT, "step": int(step),
-           "trainable": {n: p.detach().cpu().clone() for n, p in trainable.items()},
-           "optimizer": optimizer.state_dict(), "config": cfg.to_dict(), **extra}
-    return save_atomic(path, obj)
+DISTILL_CONTENTS = CheckpointContents(DISTILL_CKPT_FORMAT, trainable_only=True)
 
 
 def load_distill_checkpoint(path) -> dict:
-    """Read a distill checkpoint with ``torch.load(weights_only=True)`` (CPU tensors); CheckpointError
+    """Read a distill checkpoint with ``torch.load(weights_only=True)`` (CPU tensors); TrainingCheckpointError
     when corrupt or not a distill checkpoint, FileNotFoundError when absent."""
-    path = Path(path)
-    obj = load_weights_only(path)
-    if not isinstance(obj, dict) or obj.get("format") != DISTILL_CKPT_FORMAT or \
-            any(k not in obj for k in ("step", "trainable", "optimizer")):
-        raise CheckpointError(f"{path} is not a {DISTILL_CKPT_FORMAT} checkpoint")
-    return obj
+    return DISTILL_CONTENTS.read(Path(path))
+
+
+class DistillTask:
+    """LSQ distillation as a ``train.loop.TrainingTask``: the parameter selection is the block amaxes
+    (train="scales") or also the latent LSQ weights ("all"), each group at its own constant LR (AdamW, no
+    weight decay), everything else and the teacher frozen; the loss is ``distill_loss`` against the
+    teacher's logits on ``_batch`` windows of ``tokens``; evaluation is ``eval_next_token_loss`` on
+    ``eval_tokens``; checkpoints hold only the trainable tensors."""
+
+    contents = DISTILL_CONTENTS
+
+    def __init__(self, teacher: nn.Module, tokens: torch.Tensor, cfg: DistillConfig,
+                 eval_tokens: Optional[torch.Tensor] = None):
+        self.teacher, self.tokens, self.cfg, self.eval_tokens = teacher, tokens, cfg, eval_tokens
+        self.config = cfg.to_dict()
+        self.t_device = model_device(teacher)
+        self.groups: list[dict] = []
+
+    def trainable(self, student: nn.Module) -> list[nn.Parameter]:
+        self.teacher.eval()
+        for p in list(self.teacher.parameters()) + list(student.parameters()):
+            p.requires_grad_(False)
+        scales = scale_parameters(student)
+        weights = weight_parameters(student) if self.cfg.train == "all" else []
+        for p in scales + weights:
+            p.requires_grad_(True)
+        self.groups = [{"params": scales, "lr": self.cfg.lr_scales, "name": "scales"}]
+        if weights:
+            self.groups.append({"params": weights, "lr": self.cfg.lr_weights, "name": "weights"})
+        return [p for p in student.parameters() if p.requires_grad]
+
+    def make_optimizer(self, student: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.groups, lr=self.cfg.lr_scales, weight_decay=0.0)
+
+    def lr(self, step: int) -> None:  # constant per group
+        return None
+
+    def step_seed(self, step: int, rank: int) -> None:  # eval mode, no dropout: nothing random
+        return None
+
+    def begin(self, start_step: int, info: DistInfo) -> None:
+        return None
+
+    def loss(self, student, step: int, micro: int, info: DistInfo, device) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        x = _batch(self.tokens, cfg, step, micro, info)
+        with torch.no_grad():
+            t_logits = output_logits(self.teacher(x.to(self.t_device)))
+        xs = x.to(device)
+        loss, kl, ce = distill_loss(output_logits(student(xs)), t_logits, xs, cfg.temperature, cfg.ce_weight)
+        return loss, torch.stack([loss.detach(), kl.detach(), ce.detach()])
+
+    def evaluate(self, student, info: DistInfo, device, amp: Callable, progress: bool) -> float:
+        return eval_next_token_loss(student, self.eval_tokens, self.cfg.batch_size, None, info, progress=progress)
+
+    def metrics_row(self, r: StepReport) -> dict:
+        loss, kl, ce = r.stats
+        row = {"step": r.step, "loss": loss, "kl": kl, "ce": ce, "lr": self.cfg.lr_scales, "grad_norm": r.grad_norm,
+               "seconds": r.elapsed_s, "train_loss": loss}
+        if len(self.groups) > 1:
+            row["lr_weights"] = self.cfg.lr_weights
+        if r.val_loss is not None:
+            row["eval_loss"] = row["val_loss"] = r.val_loss
+        return row
+
+    def log_line(self, r: StepReport, progress: bool) -> Optional[str]:
+        if r.val_loss is None:
+            return None
+        return f"step {r.step}/{r.steps}  loss {r.stats[0]:.4f}  eval next-token loss {r.val_loss:.4f}"
 
 
 # ----------------------------------------------------------------------------- training
-
-def _dist_info(device: torch.device) -> DistInfo:
-    if dist.is_available() and dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local)
-    return setup_distributed(str(device))  # joins a torchrun job (WORLD_SIZE > 1), else a no-op
-
 
 def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: DistillConfig = DistillConfig(), *,
             eval_tokens: Optional[torch.Tensor] = None, resume: bool = False, progress: bool = True,
@@ -217,9 +235,10 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
     eval mode). resume: continue from ``out_dir/latest.pt`` when it exists (``cfg.steps`` is the
     total). record: plain data defining the run beyond ``cfg`` (the command line records the model,
     teacher, LSQ mode, ...), saved in the checkpoint; resuming from one that records another raises
-    CheckpointError naming the difference unless ``force`` (one without a record: a note). Returns
+    TrainingCheckpointError naming the difference unless ``force`` (one without a record: a note). Returns
     {"steps", "final_loss", "first_loss", "trainable_params", "optimizer_state_bytes",
     "seconds_per_step", "metrics_path"} (losses of the steps run by this call; None if none ran).
+    The loop is ``train.loop.run_training`` with a ``DistillTask``.
     """
     if not isinstance(cfg, DistillConfig):
         raise TypeError(f"cfg must be a DistillConfig, not {type(cfg).__name__}")
@@ -230,151 +249,23 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
                          f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")
     if tokens.shape[0] < 1 or tokens.shape[1] < cfg.seq_len:
         raise ValueError(f"tokens {tuple(tokens.shape)}: need n >= 1 windows of T >= seq_len={cfg.seq_len} tokens")
-    out = Path(cfg.out_dir) if cfg.out_dir is not None else None
-    if resume and out is None:
+    if resume and cfg.out_dir is None:
         raise ValueError("resume=True needs cfg.out_dir")
-
-    device = next(student.parameters()).device
-    info = _dist_info(device)
-    try:
-        return _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info, device, out, record,
-                        force)
-    finally:
-        cleanup_distributed(info)
-
-
-def _distill(student, teacher, tokens, cfg, eval_tokens, resume, progress, info, device, out, record=None,
-             force=False) -> dict:
-    main = info.is_main
-    # freeze everything, then open the trainable tensors
-    teacher.eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    for p in student.parameters():
-        p.requires_grad_(False)
-    scales = scale_parameters(student)
-    weights = weight_parameters(student) if cfg.train == "all" else []
-    for p in scales + weights:
-        p.requires_grad_(True)
-    trainable = {n: p for n, p in student.named_parameters() if p.requires_grad}
-    n_trainable = sum(p.numel() for p in trainable.values())
-    groups = [{"params": scales, "lr": cfg.lr_scales, "name": "scales"}]
-    if weights:
-        groups.append({"params": weights, "lr": cfg.lr_weights, "name": "weights"})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr_scales, weight_decay=0.0)
-
-    ckpt_path = out / DISTILL_CKPT_NAME if out else None
-    metrics_path = out / DISTILL_METRICS_NAME if out else None
-    start_step, elapsed0 = 0, 0.0
-    state = load_distill_checkpoint(ckpt_path) if resume and ckpt_path.exists() else None
-    note = check_record(state.get("record"), record, ckpt_path, force) if state is not None else None
-    if state is not None:
-        saved = state["trainable"]
-        if set(saved) != set(trainable):
-            raise CheckpointError(f"checkpoint {ckpt_path} trains other tensors than this run (train="
-                                  f"{cfg.train!r}): {sorted(set(saved) ^ set(trainable))[:4]} ...")
-        with torch.no_grad():
-            for n, p in trainable.items():
-                if saved[n].shape != p.shape:
-                    raise CheckpointError(f"checkpoint {ckpt_path}: {n} has shape {tuple(saved[n].shape)}, "
-                                          f"the model {tuple(p.shape)}")
-                p.copy_(saved[n])
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"checkpoint {ckpt_path} does not fit this optimizer: {exc}") from exc
-        start_step, elapsed0 = int(state["step"]), float(state.get("elapsed_s", 0.0))
-    if main and out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        if state is not None:
-            _truncate_metrics(metrics_path, start_step)
-        elif metrics_path.exists():
-            metrics_path.unlink()
-    barrier(info)
-
-    was_training = student.training
-    student.eval()  # no dropout: deterministic batches -> exact resume
-    if info.enabled:  # DDP syncs only the trainable tensors (the packed FP4 / FP8 buffers gloo cannot broadcast)
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        frozen = [n for n, p in student.named_parameters() if not p.requires_grad]
-        DDP._set_params_and_buffers_to_ignore_for_model(student, frozen + [n for n, _ in student.named_buffers()])
-    ddp = wrap_ddp(student, info, device)
-    t_device = next(teacher.parameters()).device
-    bar = _Bar(progress and main, cfg.steps, start_step)
-    if state is not None and main and progress:
-        bar.log(f"resuming from {ckpt_path} at step {start_step}")
-    if note and main:
-        bar.log(note)
-    first_loss = final_loss = None
-    step_times: list[float] = []
-    t0 = time.perf_counter()
-    params = list(trainable.values())
-    try:
-        for step in range(start_step, cfg.steps):
-            ts = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            sums = torch.zeros(3, device=device)
-            for micro in range(cfg.grad_accum):
-                x = _batch(tokens, cfg, step, micro, info)
-                with torch.no_grad():
-                    t_logits = _logits(teacher(x.to(t_device)))
-                xs = x.to(device)
-                with no_sync(ddp, sync=micro == cfg.grad_accum - 1):
-                    loss, kl, ce = distill_loss(_logits(ddp(xs)), t_logits, xs, cfg.temperature, cfg.ce_weight)
-                    (loss / cfg.grad_accum).backward()
-                sums += torch.stack([loss.detach(), kl.detach(), ce.detach()])
-            norm = clip_gradients(params, cfg.max_grad_norm)
-            optimizer.step()
-            loss_v, kl_v, ce_v = (all_reduce_mean(sums / cfg.grad_accum, info)).tolist()
-            step_times.append(time.perf_counter() - ts)
-            first_loss = loss_v if first_loss is None else first_loss
-            final_loss = loss_v
-
-            done = step + 1
-            last = done == cfg.steps
-            periodic = cfg.eval_every > 0 and done % cfg.eval_every == 0
-            eval_loss = None
-            if eval_tokens is not None and cfg.eval_every > 0 and (periodic or last):
-                eval_loss = eval_next_token_loss(ddp, eval_tokens, cfg.batch_size, None, info,
-                                                 progress=progress and main)
-                student.eval()
-            if done % cfg.log_every == 0 or last or eval_loss is not None:
-                row = {"step": done, "loss": loss_v, "kl": kl_v, "ce": ce_v, "lr": cfg.lr_scales,
-                       "grad_norm": float(norm), "seconds": round(elapsed0 + time.perf_counter() - t0, 4),
-                       "train_loss": loss_v}
-                if weights:
-                    row["lr_weights"] = cfg.lr_weights
-                if eval_loss is not None:
-                    row["eval_loss"] = row["val_loss"] = eval_loss
-                if main and metrics_path is not None:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                if main and eval_loss is not None:
-                    bar.log(f"step {done}/{cfg.steps}  loss {loss_v:.4f}  eval next-token loss {eval_loss:.4f}")
-            if out is not None and (last or periodic):
-                if main:
-                    _save(ckpt_path, trainable, optimizer, done, cfg, world_size=info.world_size,
-                          elapsed_s=elapsed0 + time.perf_counter() - t0,
-                          **({"record": record} if record is not None else {}))
-                barrier(info)
-            bar.update(loss=f"{loss_v:.4f}")
-    finally:
-        bar.close()
-        student.train(was_training)
-
-    if main and metrics_path is not None and metrics_path.exists():
-        try:
-            plot_losses({"distill": metrics_path}, out / DISTILL_PLOT_NAME, title="LSQ distillation loss")
-        except ImportError:  # matplotlib missing: metrics are still there
-            pass
-    state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values()
-                      for v in s.values() if torch.is_tensor(v))
-    return {"steps": max(cfg.steps, start_step), "final_loss": final_loss, "first_loss": first_loss,
-            "trainable_params": n_trainable, "optimizer_state_bytes": state_bytes,
-            "seconds_per_step": sum(step_times) / len(step_times) if step_times else None,
-            "metrics_path": str(metrics_path) if metrics_path is not None else None}
+    loop = LoopConfig(steps=cfg.steps, grad_accum=cfg.grad_accum, grad_clip=cfg.max_grad_norm,
+                      log_interval=cfg.log_every, eval=eval_tokens is not None and cfg.eval_every > 0,
+                      eval_interval=cfg.eval_every, ckpt_interval=cfg.eval_every,
+                      out_dir=None if cfg.out_dir is None else str(cfg.out_dir), ckpt_name=DISTILL_CKPT_NAME,
+                      metrics_name=DISTILL_METRICS_NAME, plot_name=DISTILL_PLOT_NAME, plot_label="distill",
+                      plot_title="LSQ distillation loss", progress=progress, batch_tokens=cfg.batch_size * cfg.seq_len,
+                      train_mode=False)
+    res = run_training(student, DistillTask(teacher, tokens, cfg, eval_tokens), loop, model_device(student),
+                       resume=resume, record=record, force=force)
+    return {"steps": res.step, "final_loss": res.final_train_loss,
+            "first_loss": res.train_losses[0] if res.train_losses else None,
+            "trainable_params": res.trainable_params, "optimizer_state_bytes": res.optimizer_state_bytes,
+            "seconds_per_step": sum(res.step_seconds) / len(res.step_seconds) if res.step_seconds else None,
+            "metrics_path": str(res.metrics_path) if res.metrics_path is not None else None}
 
 
-__all__ = ["DISTILL_TRAIN", "DistillConfig", "distill", "distill_loss", "eval_next_token_loss",
+__all__ = ["DISTILL_TRAIN", "DistillConfig", "DistillTask", "distill", "distill_loss", "eval_next_token_loss",
            "load_distill_checkpoint", "steps_per_scale_step"]

@@ -29,11 +29,10 @@ import math
 import torch
 from torch import nn
 
-from ..formats.e2m1 import e2m1_index, pack_nibbles
-from ..formats.minifloat import E4M3, round_magnitude
+from ..formats.e2m1 import pack_nibbles
 from ..quant.dispatch import quantize
-from ..quant.nvfp4 import _rounded_magnitudes
-from ..quant.specs import NVFP4
+from ..quant.nvfp4 import (NVFP4, amax_of_outer_scale, block_scales as nvfp4_block_scales, e2m1_codes,
+                           encode_multiplier, encode_scale_tensor, rounded_magnitudes)
 from ..quant.tensor import QuantizedTensor
 
 BLOCK = 16
@@ -49,16 +48,13 @@ def _inv(S: torch.Tensor) -> torch.Tensor:
 def block_scales(amax: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """Stored E4M3 block scales (as FP32 values) of FP32 amax [...]: e4m3_rne(min(amax*(S*(1/6)), 448));
     amax <= 0 gives 0."""
-    t = torch.clamp(amax.detach().float(), min=0.0) * (S * (1.0 / 6.0))
-    return round_magnitude(torch.clamp(t, max=448.0), E4M3)
+    return nvfp4_block_scales(torch.clamp(amax.detach().float(), min=0.0), S, 6)
 
 
 def _signed(xb, s_e, inv_s):
     """(u = x*e, signed E2M1 values q, neg) for blocks xb [N, nb, 16] with scales s_e [N, nb, 1]."""
-    neg, v = _rounded_magnitudes(xb, s_e, inv_s, None, "nearest", "hardware")
-    e = torch.clamp(1.0 / (s_e * inv_s), max=torch.finfo(torch.float32).max)
-    e = torch.where(s_e == 0, torch.zeros_like(e), e)
-    return xb * e, torch.where(neg, -v, v), neg, v
+    neg, v = rounded_magnitudes(xb, s_e, inv_s, None, "nearest", "hardware")
+    return xb * encode_multiplier(s_e, inv_s), torch.where(neg, -v, v), neg, v
 
 
 class _LSQFn(torch.autograd.Function):
@@ -144,12 +140,7 @@ class NVFP4ScaleLearner(nn.Module):
             raise ValueError("weight contains NaN/inf values")
         if not (isinstance(grad_scale, (int, float)) and math.isfinite(grad_scale)):
             raise ValueError(f"grad_scale={grad_scale!r}: expected a finite float")
-        S = torch.as_tensor(encode_scale).detach().to(device=weight.device, dtype=torch.float32)
-        if S.numel() != 1:
-            raise ValueError(f"encode_scale must be one FP32 scalar, got shape {tuple(S.shape)}")
-        S = S.reshape(())
-        if not (bool(torch.isfinite(S)) and float(S) > 0):
-            raise ValueError(f"encode_scale={float(S)!r}: must be a positive finite FP32 scalar")
+        S = encode_scale_tensor(encode_scale, weight.device)
         self.mode, self.init, self.grad_scale = mode, init, float(grad_scale)
         self.spec = NVFP4(scale_rule=_INIT_RULE[init])
         w = weight.detach().to(torch.float32).clone()
@@ -185,8 +176,8 @@ class NVFP4ScaleLearner(nn.Module):
         s_pre = block_scales(pre, S)
         s_post = s_pre if post is None else block_scales(post, S)
         _, _, neg, v = _signed(xb, s_pre.unsqueeze(-1), _inv(S))
-        codes = (e2m1_index(v) | (neg.to(torch.uint8) << 3)).reshape(N, K)
-        amax_st = torch.tensor(self.spec.outer_bound * 6.0, dtype=torch.float32, device=S.device) / S
+        codes = e2m1_codes(neg, v).reshape(N, K)
+        amax_st = amax_of_outer_scale(S, self.spec.outer_bound)
         return QuantizedTensor(spec=self.spec, codes=pack_nibbles(codes), scales=s_post.to(torch.float8_e4m3fn),
                                shape=torch.Size((N, K)), dtype=torch.float32, outer_scale=S.clone(), amax=amax_st)
 

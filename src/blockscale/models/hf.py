@@ -8,7 +8,6 @@ path and one loader serve them all.
 from __future__ import annotations
 
 import importlib.util
-import json
 import pickle
 import re
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CheckpointError, UsageError
-from ..paths import data_root, resolves_inside
+from ..data.paths import data_root
+from .checkpoint_detection import directory_format, quantization_config
 from .llama import Llama
 from .stories260k import transformers_tokenizer
 from .stories260k import load_stories260k, load_tokenizer
@@ -31,23 +31,35 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
-class Tokenizer:
-    """What PTQ and evaluation need from a tokenizer: ``encode(text)`` (no special tokens) and the
-    BOS / EOS ids; ``hf`` is the transformers tokenizer (saved next to exported checkpoints), if any."""
+class ModelTokenizer:
+    """A loaded model's tokenizer, as ``data.tokenizer.Tokenizer``: ``encode(text)`` (no special tokens),
+    ``decode``, the vocabulary size and the BOS / EOS ids; ``hf`` is the transformers tokenizer (saved next
+    to exported checkpoints), if any."""
 
     encode_fn: Any
     bos_id: Optional[int]
     eos_id: Optional[int]
     hf: Any = None
+    decode_fn: Any = None
+    vocab_size: Optional[int] = None
 
-    def encode(self, text: str) -> torch.Tensor:
+    def encode(self, text: str) -> list[int]:
+        return list(self.encode_fn(text))
+
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        """``encode(text)`` as a 1-D long tensor."""
         return torch.tensor(self.encode_fn(text), dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        if self.decode_fn is None:
+            raise NotImplementedError("this tokenizer was built without a decode function")
+        return self.decode_fn([int(i) for i in ids])
 
 
 @dataclass
 class LoadedModel:
     model: Any  # transformers PreTrainedModel
-    tokenizer: Optional[Tokenizer]
+    tokenizer: Optional[ModelTokenizer]
     name: str
 
 
@@ -91,9 +103,9 @@ def to_hf_llama(model: Llama):
     return hf
 
 
-def hf_tokenizer(tok) -> Tokenizer:
-    return Tokenizer(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.bos_token_id,
-                     tok.eos_token_id, tok)
+def hf_tokenizer(tok) -> ModelTokenizer:
+    return ModelTokenizer(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.bos_token_id,
+                          tok.eos_token_id, tok, decode_fn=tok.decode, vocab_size=len(tok))
 
 
 def _smollm2_dir() -> Path:
@@ -107,43 +119,28 @@ def _smollm2_dir() -> Path:
     return d
 
 
-def stories260k_tokenizer() -> Tokenizer:
+def stories260k_tokenizer() -> ModelTokenizer:
     """tok512, with its transformers equivalent (``stories260k.transformers_tokenizer``) as ``hf``, so
     exported checkpoints carry a tokenizer other tools load (``AutoTokenizer.from_pretrained(dir)``)."""
     tok = load_tokenizer(data_root() / "stories260K" / "tok512.bin")
-    return Tokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id, hf=transformers_tokenizer(tok))
-
-
-def _quantization_config(d: Path) -> Optional[dict]:
-    """config.json's ``quantization_config`` object of directory ``d``, or None when there is none, the
-    file is not valid JSON, not an object, or (untrusted directories) a symlink resolving outside ``d``."""
-    cfg = Path(d) / "config.json"
-    try:
-        if not resolves_inside(d, cfg) or not cfg.is_file():
-            return None
-        obj = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None
-    qc = obj.get("quantization_config") if isinstance(obj, dict) else None
-    return qc if isinstance(qc, dict) else None
+    return ModelTokenizer(lambda text: tok.encode(text), tok.bos_id, tok.eos_id, hf=transformers_tokenizer(tok),
+                          decode_fn=tok.decode, vocab_size=tok.vocab_size)
 
 
 def source_model(d: Path) -> Optional[str]:
     """The model name a blockscale export was made from (its metadata), if recorded. Untrusted: use
     it only to compare with built-in names or to show the user, never as a path to load."""
-    bs = (_quantization_config(d) or {}).get("blockscale")
+    bs = (quantization_config(d) or {}).get("blockscale")
     meta = bs.get("metadata") if isinstance(bs, dict) else None
     model = meta.get("model") if isinstance(meta, dict) else None
     return model if isinstance(model, str) else None
 
 
 def is_blockscale_checkpoint(d: Path) -> bool:
-    """Whether directory ``d`` holds an NVFP4 checkpoint (compressed-tensors or ModelOpt) to open
-    with ``blockscale.load`` rather than ``from_pretrained``."""
-    hfq = Path(d) / "hf_quant_config.json"
-    if hfq.is_file() and resolves_inside(d, hfq):
-        return True
-    return (_quantization_config(d) or {}).get("quant_method") in ("compressed-tensors", "modelopt")
+    """Whether directory ``d`` holds an NVFP4 checkpoint of a registered format (compressed-tensors,
+    ModelOpt, ...; ``checkpoint_detection.directory_format``) to open with ``blockscale.load`` rather
+    than ``from_pretrained``. Never raises; never follows a symlink out of ``d``."""
+    return directory_format(d) is not None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -218,5 +215,5 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
     return LoadedModel(model, tok, str(name_or_path))
 
 
-__all__ = ["BUILTIN_MODELS", "LoadedModel", "Tokenizer", "hf_tokenizer", "is_blockscale_checkpoint", "load_model",
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelTokenizer", "hf_tokenizer", "is_blockscale_checkpoint", "load_model",
            "source_model", "stories260k_tokenizer", "to_hf_llama"]

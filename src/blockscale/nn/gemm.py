@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..quant import QuantizedTensor, fake_quantize
+from ..quant import QuantizedTensor, fake_quantize, format_of
 from ..quant.dispatch import quantize_with_values
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -31,15 +31,13 @@ class Operand:
         """The operand's values in FP32 (what an FP32-accumulating tensor core multiplies)."""
         return self.t.to(torch.float32) if self.t is not None else self.q.dequantize(torch.float32)
 
-    _OPTIONAL = ("outer_scale", "amax", "signs")
-
     def pack(self) -> tuple[list, tuple | None]:
         """(tensors to save for backward, metadata): packed codes and scales (values dropped: that
         is the memory saving), or the cast tensor."""
         if self.q is None:
             return [self.t], None
         q = self.q
-        present = tuple(n for n in self._OPTIONAL if getattr(q, n) is not None)
+        present = tuple(n for n in format_of(q.spec).fields if getattr(q, n) is not None)
         return [q.codes, q.scales] + [getattr(q, n) for n in present], (q.spec, q.shape, q.dtype, present)
 
     @staticmethod

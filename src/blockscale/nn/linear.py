@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant import MX, TE_SIGNS_16, random_signs
-from ..quant.hadamard import hadamard_gemm
+from ..quant import TE_SIGNS_16, format_of, random_signs
+from ..quant.transforms.hadamard import hadamard_gemm
+from ..quant.transforms.requantize_transposed import fused_supported, nvfp4_to_mx_transposed
 from ..recipes import LinearRecipe
 from .gemm import Operand, gemm, gemm_backend, prepare_operand
 
@@ -32,23 +33,27 @@ def _rht_tokens(t: torch.Tensor, n: int, signs) -> torch.Tensor:
 def _fused_transposed(op: Operand, spec, generator) -> Operand | None:
     """The operand ``spec``-quantized along the other dim of a saved 2-D NVFP4 operand, i.e.
     ``prepare_operand(op.values().t().contiguous(), spec)``, from one fused Triton kernel
-    (``quant.requantize_transposed.nvfp4_to_mx_transposed``: dequantize + transpose + MX quantize, nothing
+    (``quant.transforms.requantize_transposed.nvfp4_to_mx_transposed``: dequantize + transpose + MX quantize, nothing
     materialised); None where that kernel does not apply (CPU tensors, other formats): the caller
     then takes the unfused path. Same bits for RNE; stochastic rounding draws from Philox seeded by
     ``generator``, as every Triton kernel does."""
     if op.q is None:
         return None
-    from ..quant.requantize_transposed import fused_supported, nvfp4_to_mx_transposed
-
     if not fused_supported(op.q, spec):
         return None
     q, v = nvfp4_to_mx_transposed(op.q, spec, generator, outputs="both")
     return Operand(q=q, t=v)
 
 
+def _along_any_dim(spec) -> bool:
+    """The spec's format blocks along a chosen dim (``Format.blocks_along_any_dim``: MX)."""
+    return spec is not None and format_of(spec).blocks_along_any_dim
+
+
 def _tokens_dim_ok(r: LinearRecipe) -> bool:
-    """wgrad operands can be quantized along the token dim in place (MX, no Hadamard, emulated GEMM)."""
-    return (not r.wgrad_hadamard and isinstance(r.wgrad_grad, MX) and isinstance(r.wgrad_input, MX)
+    """wgrad operands can be quantized along the token dim in place (formats with a ``dim``: MX; no
+    Hadamard; emulated GEMM)."""
+    return (not r.wgrad_hadamard and _along_any_dim(r.wgrad_grad) and _along_any_dim(r.wgrad_input)
             and gemm_backend() == "emulated")
 
 

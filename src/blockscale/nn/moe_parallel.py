@@ -10,13 +10,13 @@ On each rank (W ranks, E experts, E/W local experts ``rank*E/W ..``):
     y_sorted    = all_to_all(encode(y, combine))         back to the tokens' ranks; decode
     out         = index_add(weight * y_sorted) [+ shared_expert(x)]
 
-Payloads (``quant.wire``): dispatch bf16 | nvfp4 (per-token outer scale); combine bf16 | mxfp8 |
+Payloads (``quant.transforms.wire``): dispatch bf16 | nvfp4 (per-token outer scale); combine bf16 | mxfp8 |
 s2f6 (32-point random Hadamard + S2F6, UE8M0 scales); the backward's all-to-alls carry gradients
 in bf16 | mxfp8 (``dispatch_grad`` travels expert ranks -> token ranks, ``combine_grad`` the other
 way). Counts per expert travel first (int64, W*E/W values per rank).
 
 Without an initialized process group (or with W = 1) the same module runs in one process and the
-payloads are emulated with ``quant.wire.emulate`` (the value ``decode(encode(x))`` has, bit for
+payloads are emulated with ``quant.transforms.wire.emulate`` (the value ``decode(encode(x))`` has, bit for
 bit): that is the single-process reference the expert-parallel layer is tested against. Rows reach
 each expert in the same order as in one process running the ranks' batches concatenated (rank 0's
 tokens first), so results are equal bit for bit there, not only to rounding.
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..quant.wire import WIRE_PAYLOADS, decode_rows, emulate, encode_rows, row_bytes
+from ..quant.transforms.wire import WIRE_PAYLOADS, decode_rows, emulate, encode_rows, row_bytes
 from .moe import GroupedExperts, MoE, combine, dispatch
 
 DISPATCH_PAYLOADS = ("bf16", "nvfp4")

@@ -14,32 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant import NVFP4, QuantizedTensor, fake_quantize
-from ..quant.nvfp4 import outer_scale
-
-INPUT_SCALE_RULES = ("6", "4over6")
-
-
-def reciprocal_fixed_point(scale: torch.Tensor) -> torch.Tensor:
-    """The FP32 scale S' = 1/(1/S) (each division rounded), a value with 1/(1/S') == S' bit for bit.
-
-    A checkpoint may store an encode scale S (compressed-tensors) or its reciprocal (ModelOpt);
-    calibrated activation scales are snapped to such a fixed point so both formats reload to the
-    same S. (fl(1/fl(1/fl(1/x)))) == fl(1/x) for every positive finite FP32 x.)
-    """
-    s = scale.to(torch.float32)
-    return 1.0 / (1.0 / s)
-
-
-def input_encode_scale(input_amax: float, scale_rule: str = "6") -> torch.Tensor:
-    """Calibrated activation encode scale: S = bound*6/amax (bound 448, or 256 for 4/6), snapped by
-    ``reciprocal_fixed_point``; shape [1] FP32."""
-    if scale_rule not in INPUT_SCALE_RULES:
-        raise ValueError(f"input scale_rule={scale_rule!r}; allowed values: {', '.join(INPUT_SCALE_RULES)}")
-    amax = torch.tensor([float(input_amax)], dtype=torch.float32)
-    if not (torch.isfinite(amax).all() and float(amax) >= 0):
-        raise ValueError(f"input_amax={input_amax!r}: must be a finite value >= 0")
-    bound = NVFP4(scale_rule=scale_rule).outer_bound
-    return reciprocal_fixed_point(outer_scale(amax, bound))
+# the calibrated input scale lives in quant.nvfp4; re-exported here for importers not yet switched
+from ..quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale, reciprocal_fixed_point
 
 
 class NVFP4Linear(nn.Module):
@@ -139,4 +115,4 @@ class NVFP4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {act}"
 
 
-__all__ = ["NVFP4Linear", "input_encode_scale", "reciprocal_fixed_point", "INPUT_SCALE_RULES"]
+__all__ = ["NVFP4Linear"]

@@ -1,9 +1,20 @@
-"""Post-training quantization: layer-by-layer calibration, RTN / AWQ / SmoothQuant / GPTQ to NVFP4."""
-from .config import ACTIVATIONS, METHODS, WEIGHT_SCALE_RULES, PTQConfig
-from .gptq import GPTQConfig, HessianAccumulator, gptq_quantize
+"""Post-training quantization to NVFP4: layer-by-layer calibration, methods behind one protocol
+(``protocol.PTQMethod``: collect statistics -> transform the layer -> quantize weights), registered by
+name in ``methods.METHODS``: RTN, AWQ, SmoothQuant, GPTQ."""
+from .config import ACTIVATIONS, WEIGHT_SCALE_RULES, PTQConfig
+from .methods import (AWQ, GPTQ, METHODS, RTN, AWQOptions, GPTQOptions, RTNOptions, SmoothQuant, SmoothQuantOptions,
+                      register_method)
+from .methods.awq import AWQResult, awq_search
+from .methods.gptq import gptq_quantize
+from .methods.smoothquant import smoothquant_scales
+from .options import OptionError, option
+from .protocol import LayerContext, PTQMethod, QuantizedWeight
 from .quantize_model import LinearReport, PTQReport, quantize_model
-from .smoothing import AWQResult, SmoothingGroup, awq_search, find_smoothing_groups, fold_smoothing, smoothquant_scales
+from .smoothing import SmoothingGroup, find_smoothing_groups, fold_smoothing
+from .statistics import HessianAccumulator, InputStatistics, StatisticsRequest
 
-__all__ = ["ACTIVATIONS", "METHODS", "WEIGHT_SCALE_RULES", "AWQResult", "GPTQConfig", "HessianAccumulator",
-           "LinearReport", "PTQConfig", "PTQReport", "SmoothingGroup", "awq_search", "find_smoothing_groups",
-           "fold_smoothing", "gptq_quantize", "quantize_model", "smoothquant_scales"]
+__all__ = ["ACTIVATIONS", "AWQ", "AWQOptions", "AWQResult", "GPTQ", "GPTQOptions", "HessianAccumulator",
+           "InputStatistics", "LayerContext", "LinearReport", "METHODS", "OptionError", "PTQConfig", "PTQMethod",
+           "PTQReport", "QuantizedWeight", "RTN", "RTNOptions", "SmoothQuant", "SmoothQuantOptions",
+           "SmoothingGroup", "StatisticsRequest", "WEIGHT_SCALE_RULES", "awq_search", "find_smoothing_groups",
+           "fold_smoothing", "gptq_quantize", "option", "quantize_model", "register_method", "smoothquant_scales"]

@@ -1,26 +1,36 @@
-"""PTQConfig: what post-training quantization does to a model (method, scale rule, activations)."""
+"""PTQConfig: what post-training quantization does to a model (method and its options, scale rule,
+activations, what to exclude, calibration)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ..errors import UsageError
 from ..quant import NVFP4
-from ..quant.specs import _check
 from ..recipes.recipe import DEFAULT_EXCLUDE, check_patterns  # embeddings, the output head, MoE routers: as in training
+from .methods import METHODS, get_method
+from .protocol import PTQMethod
 
-METHODS = ("rtn", "awq", "smoothquant", "gptq")
 WEIGHT_SCALE_RULES = ("6", "4over6", "sweep")
 ACTIVATIONS = ("w4a16", "w4a4")
-FOUR_OVER_SIX_GPTQ = ("aware", "plain")
+ACT_SCALE_RULES = ("6", "4over6")
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise UsageError(f"{name}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}")
+
 
 @dataclass(frozen=True)
 class PTQConfig:
     """Post-training quantization of every nn.Linear in a model's decoder layers to NVFP4.
 
-    method: "rtn" (round to nearest with the scale rule), "awq" (activation-aware per-input-channel
-      scales searched against the quantized output error, folded into the previous norm / linear),
-      "smoothquant" (static s = max|X|^alpha / max|W|^(1-alpha), folded), "gptq" (Hessian-based
-      error feedback with NVFP4 block scales).
+    method: a registered method (``ptq.methods.METHODS``): "rtn" (round to nearest with the scale
+      rule), "awq" (activation-aware per-input-channel scales searched against the quantized output
+      error, folded into the previous norm / linear), "smoothquant" (static s = max|X|^alpha /
+      max|W|^(1-alpha), folded), "gptq" (Hessian-based error feedback with NVFP4 block scales).
+    options: the method's options dataclass (``AWQOptions``, ``SmoothQuantOptions``, ``GPTQOptions``,
+      ``RTNOptions``); None: its defaults. E.g. ``PTQConfig(method="gptq", options=GPTQOptions(block_size=32))``.
     scale_rule / error: weight block scales: "6", "4over6" (with the 4/6 block error "mse" | "mae" |
       "maxabs"), "sweep" (all 126 E4M3 scales, least squared error).
     activations: "w4a16" (weights only) or "w4a4" (NVFP4 activations: dynamic per-16 block scales,
@@ -47,47 +57,44 @@ class PTQConfig:
     seq_len: int = 512
     batch_size: int = 8
     seed: int = 0
-    # method options
-    awq_grid: int = 20
-    awq_duo_scaling: bool = True
-    awq_max_tokens: int = 4096
-    smoothquant_alpha: float = 0.5
-    gptq_damp: float = 0.01
-    gptq_block_size: int = 128
-    gptq_act_order: bool = False
-    gptq_static_groups: bool = False
-    gptq_four_over_six: str = "aware"
+    # the method's own options (None: its defaults)
+    options: Any = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        _check("method", self.method, METHODS)
-        _check("scale_rule", self.scale_rule, WEIGHT_SCALE_RULES)
-        _check("activations", self.activations, ACTIVATIONS)
-        _check("act_scale_rule", self.act_scale_rule, ("6", "4over6"))
-        _check("gptq_four_over_six", self.gptq_four_over_six, FOUR_OVER_SIX_GPTQ)
+        cls = get_method(self.method)
+        _choice("scale_rule", self.scale_rule, WEIGHT_SCALE_RULES)
+        _choice("activations", self.activations, ACTIVATIONS)
+        _choice("act_scale_rule", self.act_scale_rule, ACT_SCALE_RULES)
         NVFP4(scale_rule=self.scale_rule, error=self.error)  # validates error
         object.__setattr__(self, "exclude", check_patterns(self.exclude))
-        for name in ("skip_indivisible", "allow_partial", "awq_duo_scaling", "gptq_act_order", "gptq_static_groups"):
+        if self.options is None:
+            object.__setattr__(self, "options", cls.Options())
+        elif not isinstance(self.options, cls.Options):
+            raise UsageError(f"options is a {type(self.options).__name__}, but method={self.method!r} takes "
+                             f"{cls.Options.__name__} (pass options={cls.Options.__name__}(...), or leave options "
+                             "out for its defaults)")
+        for name in ("skip_indivisible", "allow_partial"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name}={getattr(self, name)!r}: expected True or False")
-        for name in ("n_samples", "seq_len", "batch_size", "awq_grid", "awq_max_tokens", "gptq_block_size"):
+        for name in ("n_samples", "seq_len", "batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"{name}={v!r}: expected a positive int")
         if self.seq_len < 2:
             raise UsageError(f"seq_len={self.seq_len}: need at least 2 tokens")
-        if not 0.0 <= self.smoothquant_alpha <= 1.0:
-            raise UsageError(f"smoothquant_alpha={self.smoothquant_alpha}: must be in [0, 1]")
-        if not 0.0 <= self.gptq_damp < 1.0:
-            raise UsageError(f"gptq_damp={self.gptq_damp}: must be in [0, 1)")
 
     @property
     def weight_spec(self) -> NVFP4:
         return NVFP4(scale_rule=self.scale_rule, error=self.error)
 
+    def make_method(self) -> PTQMethod:
+        """The method object (``METHODS[method](options)``) whose steps ``quantize_model`` runs."""
+        return METHODS[self.method](self.options)
+
     @property
     def needs_calibration(self) -> bool:
-        return self.method != "rtn" or self.activations == "w4a4"
+        return METHODS[self.method].calibrates or self.activations == "w4a4"
 
     @property
     def label(self) -> str:
@@ -97,9 +104,10 @@ class PTQConfig:
         return f"{self.method} {rule} {act}"
 
     def to_dict(self) -> dict:
+        """Every field; ``options`` as a dict of the method's options."""
         d = asdict(self)
         d["exclude"] = list(self.exclude)
         return d
 
 
-__all__ = ["ACTIVATIONS", "DEFAULT_EXCLUDE", "METHODS", "PTQConfig", "WEIGHT_SCALE_RULES"]
+__all__ = ["ACTIVATIONS", "ACT_SCALE_RULES", "DEFAULT_EXCLUDE", "METHODS", "PTQConfig", "WEIGHT_SCALE_RULES"]

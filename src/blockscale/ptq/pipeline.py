@@ -17,7 +17,7 @@ from ..errors import DataError, UsageError
 from ..eval.perplexity import perplexity
 from ..models.hf import (LoadedModel, hf_tokenizer, is_blockscale_checkpoint, load_model, source_model,
                          stories260k_tokenizer)
-from ..text_sources import calibration_batches, evaluation_tokens
+from ..data.text_sources import calibration_batches, evaluation_tokens
 from .config import PTQConfig
 from .quantize_model import PTQReport, quantize_model
 

@@ -20,12 +20,11 @@ from ..errors import DataError, QuantizationError, UsageError
 from ..nn.coverage import Coverage, weight_coverage
 from ..nn.fused import fused_groups
 from .config import PTQConfig
+from .finite import check_finite_parameters, non_finite_error
 
 # above this share of the decoder-layer weight elements left in high precision, PTQ refuses to call
 # the result an NVFP4 model unless PTQConfig.allow_partial
 PARTIAL_LIMIT = 0.5
-# parameters checked for NaN/inf (float8 scales of layers that are already NVFP4 are checked on load)
-_CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass
@@ -123,35 +122,12 @@ def check_coverage(coverage: Coverage, config: PTQConfig) -> Optional[str]:
     return coverage_line(coverage)
 
 
-def check_finite_parameters(layers: nn.ModuleList, prefix: str) -> None:
-    """QuantizationError naming the module and parameter when a decoder-layer parameter is NaN/inf."""
+def check_layers(layers: nn.ModuleList, prefix: str, config: PTQConfig) -> None:
+    """The method's own check of every decoder layer (``PTQMethod.check_layer``: e.g. AWQ / SmoothQuant
+    fold scales into each layer's norms and Linears), a QuantizationError naming the layer."""
+    method = config.make_method()
     for i, layer in enumerate(layers):
-        for mname, m in layer.named_modules():
-            for pname, p in m.named_parameters(recurse=False):
-                if p.dtype in _CHECKED_DTYPES and not bool(torch.isfinite(p.detach()).all()):
-                    raise non_finite_error(f"{prefix}.{i}" + (f".{mname}" if mname else ""), pname, p)
-
-
-def non_finite_error(module: str, param: str, p: torch.Tensor, when: str = "") -> QuantizationError:
-    bad = int((~torch.isfinite(p.detach())).sum())
-    return QuantizationError(f"{module}: {param} contains NaN/inf{when} ({bad} of {p.numel()} values); PTQ needs "
-                             "finite parameters: repair the checkpoint, or keep the module out of PTQ with "
-                             "exclude=[...] if it is a Linear")
-
-
-def check_smoothable(layers: nn.ModuleList, prefix: str, config: PTQConfig) -> None:
-    """AWQ / SmoothQuant fold scales into each layer's norms and Linears: QuantizationError naming the
-    layer when ``find_smoothing_groups`` does not understand it."""
-    from .smoothing import find_smoothing_groups
-
-    if config.method not in ("awq", "smoothquant"):
-        return
-    for i, layer in enumerate(layers):
-        try:
-            find_smoothing_groups(layer)
-        except (NotImplementedError, ValueError) as err:
-            raise QuantizationError(f"{prefix}.{i}: method={config.method!r} cannot smooth this layer: {err}; "
-                                    "use method='rtn' or 'gptq'") from err
+        method.check_layer(layer, f"{prefix}.{i}")
 
 
 def vocab_size(model: nn.Module) -> Optional[int]:
@@ -193,4 +169,4 @@ def check_calibration(model: nn.Module, calibration, config: PTQConfig) -> None:
 
 
 __all__ = ["PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_finite_parameters",
-           "check_smoothable", "coverage_line", "non_finite_error", "plan_quantization", "vocab_size"]
+           "check_layers", "coverage_line", "non_finite_error", "plan_quantization", "vocab_size"]

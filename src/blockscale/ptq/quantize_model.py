@@ -1,11 +1,12 @@
 """quantize_model: post-training quantization of a causal LM to NVFP4, one decoder layer at a time.
 
-For each decoder layer: (1) run it on the stored calibration inputs (outputs of the already
-quantized previous layers) and record per-Linear statistics (input amax, per-channel max, Hessian,
-sampled inputs); (2) AWQ / SmoothQuant: compute per-input-channel scales and fold them into the
-preceding norm / linear (the full-precision function is unchanged), then re-record statistics;
-(3) quantize every Linear (RTN or GPTQ) with one outer scale per fused group and replace it by an
-``NVFP4Linear``; (4) run the quantized layer to produce the next layer's inputs.
+For each decoder layer, the method's three steps (``ptq.protocol.PTQMethod``): (1) run the layer on
+the stored calibration inputs (outputs of the already quantized previous layers) and record
+per-Linear statistics (input amax, and what the method asks for: Hessian, per-channel max, sampled
+inputs); (2) ``transform_layer`` (AWQ / SmoothQuant: fold per-input-channel scales into the preceding
+norm / linear; the full-precision function is unchanged), then re-record statistics when needed;
+(3) ``quantize_weight`` for every Linear with one outer scale per fused group, replaced by an
+``NVFP4Linear``; then run the quantized layer to produce the next layer's inputs.
 
 Before any of it (``preflight``): the plan of what is quantized and what stays in high precision
 (refused when that is most of the decoder weights, unless ``allow_partial``), finite parameters,
@@ -15,7 +16,6 @@ prefixed by its name.
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,15 +24,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import DataError, QuantizationError
+from ..errors import QuantizationError
 from ..nn.fused import fused_groups
-from ..nn.nvfp4_linear import NVFP4Linear, input_encode_scale
+from ..nn.nvfp4_linear import NVFP4Linear
 from ..quant import NVFP4, quantize
-from ..quant.nvfp4 import outer_scale
+from ..quant.nvfp4 import input_encode_scale, shared_outer_scale
 from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
 from .config import PTQConfig
-from .preflight import (check_calibration, check_coverage, check_finite_parameters, check_smoothable,
-                        non_finite_error, plan_quantization)
+from .preflight import check_calibration, check_coverage, check_finite_parameters, check_layers, plan_quantization
+from .protocol import LayerContext, PTQMethod
+from .statistics import InputStatistics, collect_statistics
 
 
 @dataclass
@@ -71,164 +72,55 @@ class PTQReport:
         return asdict(self)
 
 
-class _Stats:
-    """Running statistics of the inputs of Linear ``name`` in decoder layer ``layer``."""
-
-    def __init__(self, name: str, layer: int, k: int, want_hessian: bool, want_absmax: bool, sample_every: int,
-                 device):
-        from .gptq import HessianAccumulator
-
-        self.name, self.layer = name, layer
-        self.k, self.tokens, self.amax = k, 0, 0.0
-        self.hessian = HessianAccumulator(k, device=device) if want_hessian else None
-        self.absmax = torch.zeros(k, dtype=torch.float32, device=device) if want_absmax else None
-        self.sample_every = sample_every
-        self.samples: list[torch.Tensor] = []
-
-    def add(self, x: torch.Tensor) -> None:
-        x2 = x.detach().reshape(-1, self.k).float()
-        if x2.numel() == 0:
-            return
-        amax = float(x2.abs().max())  # NaN propagates through torch's max (not through Python's)
-        if not math.isfinite(amax):
-            bad = int((~torch.isfinite(x2)).sum())
-            raise DataError(f"{self.name} (decoder layer {self.layer}): its calibration inputs contain NaN/inf "
-                            f"({bad} of {x2.numel()} values); the previous layers overflow on this calibration "
-                            "data (check the model's weights, and use float32 / bfloat16 rather than float16)")
-        self.tokens += x2.shape[0]
-        self.amax = max(self.amax, amax)
-        if self.hessian is not None:
-            self.hessian.add(x2)
-        if self.absmax is not None:
-            self.absmax = torch.maximum(self.absmax, x2.abs().amax(0))
-        if self.sample_every:
-            self.samples.append(x2[:: self.sample_every].clone())
-
-    def sample(self) -> torch.Tensor:
-        return torch.cat(self.samples) if self.samples else torch.zeros(0, self.k)
-
-
-@torch.no_grad()
-def _collect(layer, index: int, inputs, linears: dict[str, nn.Linear], cfg: PTQConfig, device, total_tokens: int):
-    want_h = cfg.method == "gptq"
-    want_absmax = cfg.method == "smoothquant"
-    every = max(1, math.ceil(total_tokens / cfg.awq_max_tokens)) if cfg.method == "awq" else 0
-    stats = {n: _Stats(n, index, m.in_features, want_h, want_absmax, every, device) for n, m in linears.items()}
-    handles = [m.register_forward_hook(lambda mod, args, out, s=stats[n]: s.add(args[0]))
-               for n, m in linears.items()]
-    try:
-        run_layer(layer, inputs, device)
-    finally:
-        for h in handles:
-            h.remove()
-    return stats
-
-
-def _smooth(layer, stats, linear_names: dict[int, str], cfg: PTQConfig, spec: NVFP4) -> dict[str, float]:
-    """AWQ / SmoothQuant scales for each smoothing group of ``layer``, folded in place; returns alpha per linear."""
-    from .smoothing import awq_search, find_smoothing_groups, fold_smoothing, smoothquant_scales
-
-    alphas = {}
-    for group in find_smoothing_groups(layer):
-        names = [linear_names.get(id(m)) for m in group.linears]
-        if any(n is None for n in names):
-            continue  # a consumer is excluded from quantization: leave this group alone
-        st = stats[names[0]]
-        if st.tokens == 0:
-            continue
-        weights = [m.weight for m in group.linears]
-        try:
-            if cfg.method == "awq":
-                act_rule = cfg.act_scale_rule if cfg.activations == "w4a4" else None
-                res = awq_search(st.sample(), weights, spec, act_scale_rule=act_rule, n_grid=cfg.awq_grid,
-                                 duo_scaling=cfg.awq_duo_scaling, max_tokens=cfg.awq_max_tokens)
-                s, alpha = res.scales, res.alpha
-            else:
-                s, alpha = smoothquant_scales(st.absmax, weights, cfg.smoothquant_alpha), cfg.smoothquant_alpha
-            fold_smoothing(group, s)
-        except QuantizationError:
-            raise
-        except ValueError as err:
-            raise QuantizationError(f"{', '.join(names)}: method={cfg.method!r} smoothing failed: {err}") from err
-        layer_prefix = names[0][: len(names[0]) - len(group.linear_names[0])]
-        _check_folded([*zip(names, group.linears), (layer_prefix + group.prev_name, group.prev)], cfg.method)
-        for n in names:
-            alphas[n] = alpha
-    return alphas
-
-
-def _check_folded(modules, method: str) -> None:
-    """W * s can overflow a half-precision weight: QuantizationError naming the module if it did."""
-    for name, m in modules:
-        for pname, p in m.named_parameters(recurse=False):
-            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
-                raise non_finite_error(name, pname, p, f" after method={method!r} smoothing")
-
-
-def _group_encode_scale(weights: list[torch.Tensor], spec: NVFP4) -> torch.Tensor:
-    amax = torch.stack([w.detach().float().abs().max() for w in weights]).max()
-    return outer_scale(amax, spec.outer_bound)
-
-
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, child, new)
 
 
-def _quantize_one(n: str, lin: nn.Linear, st: Optional[_Stats], S: torch.Tensor, in_amax: float, cfg: PTQConfig,
-                  spec: NVFP4, gcfg, alpha: Optional[float], fallback_amax: float):
-    """Linear ``n`` as an NVFP4Linear (RTN or GPTQ with the group's outer scale S) and its report."""
-    from .gptq import gptq_quantize
-
+def _quantize_one(n: str, lin: nn.Linear, st: Optional[InputStatistics], S: torch.Tensor, in_amax: float,
+                  cfg: PTQConfig, method: PTQMethod, spec: NVFP4, alpha: Optional[float], fallback_amax: float):
+    """Linear ``n`` as an NVFP4Linear (the method's ``quantize_weight`` with the group's outer scale S)
+    and its report."""
     w = lin.weight.detach()
-    note = ""
-    H = st.hessian.H if (st is not None and st.hessian is not None and st.tokens) else None
-    if cfg.method == "gptq" and H is not None:
-        q, _ = gptq_quantize(w, H, spec, S, gcfg)
-    else:
-        if cfg.method == "gptq":
-            note = "no calibration tokens: RTN"
-        q = quantize(w, spec, encode_scale=S)
+    res = method.quantize_weight(w, st, spec, S)
+    note = res.note
     if st is not None and st.tokens == 0 and cfg.activations == "w4a4":
         note = (note + "; " if note else "") + f"no calibration tokens: input amax {fallback_amax:.4g} from its layer"
     kw = {}
     if cfg.activations == "w4a4":
         kw = dict(input_global_scale=input_encode_scale(in_amax, cfg.act_scale_rule),
                   input_scale_rule=cfg.act_scale_rule, input_error=cfg.error)
-    new = NVFP4Linear.from_quantized(q, lin.bias, dtype=w.dtype, **kw)
+    new = NVFP4Linear.from_quantized(res.q, lin.bias, dtype=w.dtype, **kw)
     wf = w.float()
     dw = new.dequantized_weight(torch.float32) - wf
     rel = float(dw.pow(2).sum() / wf.pow(2).sum().clamp_min(1e-30))
     out_rel = rtn_rel = None
+    H = st.H if st is not None else None
     if H is not None:
         def out_err(d):
             return float(((d @ H) * d).sum() / ((wf @ H) * wf).sum().clamp_min(1e-30))
 
         out_rel = out_err(dw)
-        if cfg.method == "gptq":
+        if method.compares_to_rtn:
             rtn_rel = out_err(quantize(w, spec, encode_scale=S).dequantize(torch.float32) - wf)
     return new, LinearReport(n, tuple(w.shape), st.tokens if st is not None else 0, rel, out_rel, rtn_rel,
                              st.amax if st is not None else None, alpha, note)
 
 
-def _quantize_linears(root, linears: dict[str, nn.Linear], stats, cfg: PTQConfig, spec: NVFP4, report: PTQReport,
-                      alphas: dict[str, float], fallback_amax: float) -> None:
-    from .gptq import GPTQConfig
-
-    gcfg = GPTQConfig(damp=cfg.gptq_damp, block_size=cfg.gptq_block_size, act_order=cfg.gptq_act_order,
-                      static_groups=cfg.gptq_static_groups, four_over_six=cfg.gptq_four_over_six)
+def _quantize_linears(root, linears: dict[str, nn.Linear], stats, cfg: PTQConfig, method: PTQMethod, spec: NVFP4,
+                      report: PTQReport, alphas: dict[str, float], fallback_amax: float) -> None:
     for group in fused_groups(list(linears)):
         amaxes = [stats[n].amax for n in group if stats is not None and stats[n].tokens]
         in_amax = max(amaxes) if amaxes else fallback_amax
         try:
-            S = _group_encode_scale([linears[n].weight for n in group], spec)
+            S = shared_outer_scale([linears[n].weight for n in group], spec.outer_bound)
         except ValueError as err:
             raise QuantizationError(f"{', '.join(group)}: {err}") from err
         for n in group:
             st = stats[n] if stats is not None else None
             try:
-                new, lr = _quantize_one(n, linears[n], st, S, in_amax, cfg, spec, gcfg, alphas.get(n), fallback_amax)
+                new, lr = _quantize_one(n, linears[n], st, S, in_amax, cfg, method, spec, alphas.get(n), fallback_amax)
             except QuantizationError:
                 raise
             except ValueError as err:  # every failure names the Linear it happened in
@@ -247,7 +139,7 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
     report.high_precision_fraction = plan.coverage.high_precision_fraction
     line = check_coverage(plan.coverage, config)  # raises when most of it would stay high precision
     check_finite_parameters(layers, prefix)
-    check_smoothable(layers, prefix, config)
+    check_layers(layers, prefix, config)
     if config.needs_calibration:
         check_calibration(model, calibration, config)
     if line is not None:
@@ -275,6 +167,9 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     if not isinstance(config, PTQConfig):
         raise TypeError(f"config must be a PTQConfig, got {type(config).__name__}")
     spec = config.weight_spec
+    method = config.make_method()
+    request = method.statistics()
+    act_rule = config.act_scale_rule if config.activations == "w4a4" else None
     report = PTQReport(config=config.to_dict())
     layers = decoder_layers(model)
     prefix = next(n for n, m in model.named_modules() if m is layers)
@@ -299,18 +194,19 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
         layer = layers[i]
         layer.to(device)
         linears = per_layer[i]
-        linear_names = {id(m): n for n, m in linears.items()}
         stats, alphas = None, {}
         if inputs is not None and linears:
-            stats = _collect(layer, i, inputs, linears, config, device, report.calibration_tokens)
-            if config.method in ("awq", "smoothquant"):
-                with torch.no_grad():
-                    alphas = _smooth(layer, stats, linear_names, config, spec)
-                if alphas and (config.activations == "w4a4" or config.method == "gptq"):
-                    stats = _collect(layer, i, inputs, linears, config, device, report.calibration_tokens)
+            def record():
+                return collect_statistics(layer, i, inputs, linears, request, device, report.calibration_tokens)
+
+            stats = record()
+            with torch.no_grad():
+                alphas = method.transform_layer(LayerContext(layer, i, linears, stats, spec, act_rule))
+            if alphas and (config.activations == "w4a4" or method.quantizes_with_statistics):
+                stats = record()
         fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
         with torch.no_grad():
-            _quantize_linears(model, linears, stats, config, spec, report, alphas, fallback)
+            _quantize_linears(model, linears, stats, config, method, spec, report, alphas, fallback)
         if inputs is not None and i + 1 < len(layers):
             inputs = run_layer(layer, inputs, device)
         layer.to(home)

@@ -60,6 +60,12 @@ def random_from_bits(bits: torch.Tensor, shape, sr_mode: str) -> torch.Tensor:
     return (b >> 8).to(torch.float32) * 2.0**-24  # exact: a 24-bit integer times a power of two
 
 
+def triton_seed(generator: torch.Generator | None, device: torch.device) -> int:
+    """A Philox seed for a Triton kernel, drawn from ``generator`` (or the device's default one)."""
+    dev = generator.device if generator is not None else device
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=dev).item())
+
+
 def abs_max(x: torch.Tensor, dim=None) -> torch.Tensor:
     """max |x| (FP32) over all of ``x`` or over ``dim``; 0 for an empty reduction. NaN propagates.
 

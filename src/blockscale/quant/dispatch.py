@@ -5,35 +5,9 @@ from dataclasses import replace
 
 import torch
 
-from .layout import check_layout
-from .mx import dequantize_mx, quantize_mx
-from .nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from .s2f6 import dequantize_s2f6, quantize_s2f6
-from .specs import MX, NVFP4, S2F6
+from .checks import INPUT_DTYPES, OUTPUT_DTYPES, check_fp32_range, check_output_dtype
+from .registry import format_of, formats
 from .tensor import QuantizedTensor
-
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-OUTPUT_DTYPES = INPUT_DTYPES
-_FLOAT_NAMES = "torch.float32, torch.bfloat16, torch.float16, torch.float64"
-FLT_MAX = torch.finfo(torch.float32).max
-
-
-def check_fp32_range(x: torch.Tensor, name: str = "x") -> None:
-    """ValueError if float64 ``x`` holds a finite value beyond the FP32 range (|x| > FLT_MAX): the
-    kernels compute in FP32, where it would become inf (NaN / inf block scales)."""
-    if x.dtype != torch.float64 or not x.numel():
-        return
-    lo, hi = torch.aminmax(x)
-    amax = max(-float(lo), float(hi))
-    if amax > FLT_MAX:
-        raise ValueError(f"{name} ({x.dtype}) has max |{name}| = {amax:.6g}, outside the FP32 range "
-                         f"(|{name}| <= {FLT_MAX:.6g}) that blockscale computes in: rescale it first")
-
-
-def check_output_dtype(dtype) -> None:
-    """TypeError unless ``dtype`` is one of the floating dtypes results can be returned as."""
-    if not isinstance(dtype, torch.dtype) or dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"dtype={dtype!r} is not a supported output dtype; allowed: {_FLOAT_NAMES}")
 
 
 def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
@@ -44,8 +18,7 @@ def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; blockscale quantizes floating tensors: "
                         "torch.float32, torch.bfloat16, torch.float16 (float64 is rounded to float32)")
-    if not isinstance(spec, (NVFP4, MX, S2F6)):
-        raise TypeError(f"spec must be blockscale.NVFP4, MX or S2F6, got {type(spec).__name__}")
+    format_of(spec)  # TypeError naming the registered spec types
     if check_finite and x.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(x))).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"x contains {bad} NaN/inf value(s); block scales would be undefined "
@@ -58,15 +31,11 @@ def _check_input(x, spec, check_finite: bool) -> torch.Tensor:
 
 def _quantize(x, spec, generator, check_finite: bool, outputs: str, encode_scale=None):
     xc = _check_input(x, spec, check_finite)
-    if encode_scale is not None and not isinstance(spec, NVFP4):
-        raise ValueError(f"encode_scale is an NVFP4 outer scale; {type(spec).__name__} has none")
-    if isinstance(spec, NVFP4):
-        out = quantize_nvfp4(xc, spec, generator, outputs, encode_scale)
-    elif isinstance(spec, MX):
-        out = quantize_mx(xc, spec, generator, outputs)
-    else:  # S2F6: the rotation is undone on dequantize; no fused values path
-        q = quantize_s2f6(xc, spec, generator)
-        out = q if outputs == "codes" else dequantize(q) if outputs == "values" else (q, dequantize(q))
+    fmt = format_of(spec)
+    if encode_scale is not None and not fmt.accepts_encode_scale:
+        takers = ", ".join(f.spec_type.__name__ for f in formats() if f.accepts_encode_scale)
+        raise ValueError(f"encode_scale is an outer encode scale ({takers}); {type(spec).__name__} has none")
+    out = fmt.quantize(xc, spec, generator, outputs, encode_scale)
     if outputs == "values":
         return out
     q = out if outputs == "codes" else out[0]
@@ -100,13 +69,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     dtype). ValueError if q's codes / scales do not fit its shape and spec (``layout.check_layout``)."""
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a blockscale.QuantizedTensor, got {type(q).__name__}")
-    check_output_dtype(dtype)
-    check_layout(q)
-    if isinstance(q.spec, NVFP4):
-        return dequantize_nvfp4(q, dtype)
-    if isinstance(q.spec, MX):
-        return dequantize_mx(q, dtype)
-    return dequantize_s2f6(q, dtype)
+    return q.dequantize(dtype)
 
 
 def fake_quantize(x: torch.Tensor, spec, generator: torch.Generator | None = None, *, dtype=None,
@@ -118,3 +81,7 @@ def fake_quantize(x: torch.Tensor, spec, generator: torch.Generator | None = Non
         check_output_dtype(dtype)
     values = _quantize(x, spec, generator, check_finite, "values", encode_scale)
     return values.to(x.dtype if dtype is None else dtype)
+
+
+__all__ = ["INPUT_DTYPES", "OUTPUT_DTYPES", "check_fp32_range", "check_output_dtype", "dequantize", "fake_quantize",
+           "quantize", "quantize_with_values"]

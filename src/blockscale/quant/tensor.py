@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from .specs import MX, NVFP4, S2F6, FormatSpec
+from .checks import check_output_dtype
+from .layout import check_layout
+from .registry import format_of
+from .transforms.swizzle import swizzle_scales
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class QuantizedTensor:
     For MX with ``spec.dim`` other than the last, codes and scales are stored with that dim moved last.
     """
 
-    spec: FormatSpec
+    spec: Any  # a registered format spec (``registry.spec_types()``)
     codes: torch.Tensor
     scales: torch.Tensor
     shape: torch.Size
@@ -34,15 +37,15 @@ class QuantizedTensor:
     signs: Optional[torch.Tensor] = None  # S2F6 with Hadamard: the ±1 rotation signs
 
     def dequantize(self, dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
-        """The represented values, as ``dtype`` (None: the original dtype); padding removed."""
-        from .dispatch import dequantize  # the format modules import this class
-
-        return dequantize(self, self.dtype if dtype is None else dtype)
+        """The represented values, as ``dtype`` (None: the original dtype); padding removed.
+        ValueError if the codes / scales do not fit the shape and spec (``layout.check_layout``)."""
+        dtype = self.dtype if dtype is None else dtype
+        check_output_dtype(dtype)
+        check_layout(self)
+        return format_of(self.spec, "q.spec").dequantize(self, dtype)
 
     def scales_swizzled(self) -> torch.Tensor:
         """Block scales in the cuBLAS / CUTLASS 128x4 tiled layout (see ``swizzle_scales``)."""
-        from .swizzle import swizzle_scales
-
         return swizzle_scales(self.scales)
 
     @property
@@ -74,4 +77,4 @@ class QuantizedTensor:
                 f"spec={self.spec})")
 
 
-__all__ = ["QuantizedTensor", "NVFP4", "MX", "S2F6"]
+__all__ = ["QuantizedTensor"]

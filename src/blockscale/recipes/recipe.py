@@ -16,11 +16,9 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
-from ..quant.specs import MX, NVFP4, S2F6
-
-FormatSpec = Union[NVFP4, MX, S2F6]
+from ..quant import FormatSpec, format_of, is_spec, spec_types
 OPERANDS = ("fprop_input", "fprop_weight", "dgrad_grad", "dgrad_weight", "wgrad_grad", "wgrad_input")
 UNQUANTIZED_DTYPES = ("bfloat16", "float32")
 HADAMARD_SIGNS = ("te", "random")
@@ -71,10 +69,14 @@ class LinearRecipe:
     def __post_init__(self):
         for name in OPERANDS:
             v = getattr(self, name)
-            if v is not None and not isinstance(v, (NVFP4, MX, S2F6)):
-                raise ValueError(f"{name} must be a blockscale NVFP4 / MX / S2F6 spec or None, got {v!r}")
-            if isinstance(v, MX) and v.dim not in (-1,):
-                raise ValueError(f"{name}: operands are quantized along their reduction (last) dim; use MX(dim=-1)")
+            if v is None:
+                continue
+            if not is_spec(v):
+                allowed = " / ".join(t.__name__ for t in spec_types())
+                raise ValueError(f"{name} must be a blockscale {allowed} spec or None, got {v!r}")
+            if format_of(v).blocked_dim(v) != -1:
+                raise ValueError(f"{name}: operands are quantized along their reduction (last) dim; "
+                                 f"use {type(v).__name__}(dim=-1)")
         _check("wgrad_hadamard", self.wgrad_hadamard, (0, 16, 32, 64, 128))
         _check("hadamard_signs", self.hadamard_signs, HADAMARD_SIGNS)
         if self.hadamard_signs == "te" and self.wgrad_hadamard not in (0, 16):

@@ -6,36 +6,56 @@ from pathlib import Path
 
 import yaml
 
-from ..quant.specs import MX, NVFP4, S2F6
+from ..quant import format_named, format_of, formats
 from .recipe import OPERANDS, LinearRecipe, Recipe
 
-_SPEC_TYPES = {"nvfp4": NVFP4, "mx": MX, "s2f6": S2F6}
-_SPEC_NAMES = {v: k for k, v in _SPEC_TYPES.items()}
 MAX_RECIPE_BYTES = 1 << 20
 
 
+def _is_tuple_field(f: dataclasses.Field) -> bool:
+    """A spec field holding a tuple (YAML writes it as a list): a tuple default or a tuple annotation."""
+    ann = str(f.type).replace("typing.", "").lower()
+    return isinstance(f.default, tuple) or ann.startswith(("tuple", "optional[tuple"))
+
+
+def _to_plain(v):
+    """Tuples (at any depth) as lists, for YAML."""
+    return [_to_plain(x) for x in v] if isinstance(v, tuple) else v
+
+
+def _to_tuple(v):
+    """Lists (at any depth) as tuples: the inverse of ``_to_plain`` for tuple-valued fields."""
+    return tuple(_to_tuple(x) for x in v) if isinstance(v, list) else v
+
+
 def spec_to_dict(spec) -> dict | None:
+    """{"format": its registered name, field: value, ...} (tuples as lists); None for None."""
     if spec is None:
         return None
-    d = {"format": _SPEC_NAMES[type(spec)]}
-    d.update({f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+    d = {"format": format_of(spec).name}
+    d.update({f.name: _to_plain(getattr(spec, f.name)) for f in dataclasses.fields(spec)})
     return d
 
 
 def spec_from_dict(d, where: str = "spec"):
+    """Inverse of ``spec_to_dict``: ValueError naming ``where`` and the allowed formats / options."""
     if d is None:
         return None
+    names = [f.name for f in formats()]
     if not isinstance(d, dict) or "format" not in d:
-        raise ValueError(f"{where}: expected a mapping with a 'format' key ({', '.join(_SPEC_TYPES)}) or null, got {d!r}")
+        raise ValueError(f"{where}: expected a mapping with a 'format' key ({', '.join(names)}) or null, got {d!r}")
     d = dict(d)
     fmt = d.pop("format")
-    if not isinstance(fmt, str) or fmt not in _SPEC_TYPES:
-        raise ValueError(f"{where}: format={fmt!r}; allowed values: {', '.join(map(repr, _SPEC_TYPES))}")
-    cls = _SPEC_TYPES[fmt]
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(map(str, d)) - names
+    if not isinstance(fmt, str) or fmt not in names:
+        raise ValueError(f"{where}: format={fmt!r}; allowed values: {', '.join(map(repr, names))}")
+    cls = format_named(fmt).spec_type
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(map(str, d)) - set(fields)
     if unknown:
-        raise ValueError(f"{where}: unknown {fmt} option(s) {sorted(unknown)}; allowed: {sorted(names)}")
+        raise ValueError(f"{where}: unknown {fmt} option(s) {sorted(unknown)}; allowed: {sorted(fields)}")
+    for k, v in d.items():
+        if _is_tuple_field(fields[k]):
+            d[k] = _to_tuple(v)
     return _build(cls, d, where)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,12 +57,23 @@ def setup_distributed(device: str = "cpu") -> DistInfo:
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, owns_group=owns)
 
 
-def wrap_ddp(model: nn.Module, info: DistInfo, device: torch.device) -> nn.Module:
-    """DDP(model) when distributed (gradients are averaged over ranks in backward), else model."""
+def join_distributed(device) -> DistInfo:
+    """This process's place in a process group the caller already initialized, else ``setup_distributed``
+    (joins a torchrun job when WORLD_SIZE > 1, else a no-op)."""
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env_world()[2])
+    return setup_distributed(str(device))
+
+
+def wrap_ddp(model: nn.Module, info: DistInfo, device: torch.device, ignore: Sequence[str] = ()) -> nn.Module:
+    """DDP(model) when distributed (gradients are averaged over ranks in backward), else model.
+    ``ignore``: names of parameters and buffers DDP neither broadcasts nor syncs."""
     if not info.enabled:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if ignore:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 

@@ -30,164 +30,36 @@ for the reference's ``quantize_mx(..., rand_bits=...)``. The one-pass rows+cols 
 """
 from __future__ import annotations
 
-import struct
-
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 32
-BLOCKS_PER_PROGRAM = 32  # 1024 elements per program (rows / dequantize kernels)
-TILE_N = 32  # columns per program of the strided and rows+cols kernels (a 32 x 32 tile)
-
-ELEMENTS = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
-RULES = {"ceil": 0, "floor": 1}
-# element: (mantissa bits, emin, max, emax) as in formats.minifloat / quant.mx
-_FORMAT = {"e4m3": (3, -6, 448.0, 8), "e5m2": (2, -14, 57344.0, 15), "e2m1": (1, 0, 6.0, 2)}
-
-
-def max_bits(value: float) -> tuple[int, int]:
-    """(mantissa field MC, unbiased exponent EC) of a positive normal FP32 ``value``."""
-    b = struct.unpack("<I", struct.pack("<f", value))[0]
-    return b & 0x7FFFFF, ((b >> 23) & 0xFF) - 127
-
-
-def rounding_id(rounding: str, sr_mode: str) -> int:
-    """0: RNE, 1: stochastic "hardware" (8 bits), 2: stochastic "exact" (24 bits)."""
-    if rounding == "nearest":
-        return 0
-    return 1 if sr_mode == "hardware" else 2
+from ...formats.constants import code_width, element_format
+from .common import (BLOCK, BLOCKS_PER_PROGRAM, ELEMENTS, RULES, TILE_N, bits_view, element_limit, load_f32,  # noqa: F401
+                     max_bits, mul_pow2, pow2, random_bits, randbits, round_magnitude, rounding_id, scale_exponent,
+                     ue8m0_value)
 
 
 def spec_params(spec) -> dict:
     """Kernel constexprs of an MX spec (element, scale_rule, rounding, sr_mode; dim is not used)."""
-    mbits, emin, maxv, emax = _FORMAT[spec.element]
+    fmt = element_format(spec.element)  # formats.constants: the one table of element parameters
+    mbits, emin, maxv, emax = fmt.mbits, fmt.emin, fmt.max, fmt.emax
     mc, ec = max_bits(maxv)
     return dict(ELEM=ELEMENTS[spec.element], MBITS=mbits, EMIN=emin, MAXV=maxv, EMAX=emax, MC=mc, EC=ec,
                 RULE=RULES[spec.scale_rule], ROUND=rounding_id(spec.rounding, spec.sr_mode))
 
-
-# ---------------------------------------------------------------------------------------------
-# shared device functions (also used by s2f6_triton)
-
-@triton.jit
-def _pow2(k):
-    """2.0**k (FP32) for int32 k in [-126, 127], from the bit pattern."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_magnitude(a, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr,
-                     ROUND: tl.constexpr):
-    """Round finite FP32 ``a >= 0`` onto the minifloat grid (MBITS mantissa bits, smallest normal
-    2**EMIN), saturating at MAXV; integer version of ``formats.minifloat.round_magnitude``.
-
-    With significand ``sig`` and exponent ``e``, a = sig * 2**(e-23); the quantum is 2**qe with
-    qe = max(e, EMIN) - MBITS, so t = a / 2**qe = sig / 2**n, n = qe - e + 23: floor(t) = sig >> n and
-    frac(t) = rem / 2**n exactly. ``rbits`` (int32 pattern of a uint32 draw) is used when ROUND > 0.
-    """
-    b = a.to(tl.int32, bitcast=True)
-    ef = (b >> 23) & 0xFF
-    sig = tl.where(ef > 0, (b & 0x7FFFFF) | 0x800000, b & 0x7FFFFF)
-    e = tl.maximum(ef, 1) - 127
-    qe = tl.maximum(e, EMIN) - MBITS
-    n = qe - e + 23
-    sh = tl.minimum(n, 31)  # sig < 2**24: shifts of 24..31 already give 0
-    lo = sig >> sh
-    rem = sig - (lo << sh)
-    if ROUND == 0:  # half to even
-        half = 1 << (sh - 1)
-        up = (rem > half) | ((rem == half) & ((lo & 1) == 1))
-    elif ROUND == 1:  # PTX cvt.rs: top 8 discarded bits + 8 random bits carry into the kept bits
-        f8 = rem >> tl.minimum(n - 8, 31)
-        up = (f8 + ((rbits >> 24) & 0xFF)) >= 256
-    else:  # up iff u < frac with u = k24 * 2**-24, compared exactly in int64
-        k24 = ((rbits >> 8) & 0xFFFFFF).to(tl.int64)
-        r64 = rem.to(tl.int64)
-        big = (k24 << tl.maximum(tl.minimum(n, 47) - 24, 0)) < r64
-        small = k24 < (r64 << tl.maximum(24 - n, 0))
-        tiny = (k24 == 0) & (r64 > 0)  # frac < 2**-24: only u = 0 is below it
-        up = tl.where(n >= 48, tiny, tl.where(n >= 24, big, small))
-    r = lo + up.to(tl.int32)
-    return tl.minimum(r.to(tl.float32) * _pow2(qe), MAXV)
-
-
-@triton.jit
-def _scale_exponent(amax, RULE: tl.constexpr, MC: tl.constexpr, EC: tl.constexpr, EMAX: tl.constexpr):
-    """Unbiased UE8M0 exponent k (int32) of FP32 ``amax >= 0`` (``quant.mx.block_exponent``).
-
-    "ceil": the smallest k with (1 + MC/2**23) * 2**(EC + k) >= amax = (1 + ma/2**23) * 2**ea, i.e.
-    k = ea - EC + (ma > MC), clamped to [-127, 127]. FP32 subnormal amax: in [2**-127, 2**-126) it is
-    (1 + ma/2**23) * 2**-127 with ma = (m << 1); below 2**-127 (and 0) k clamps to -127 for EC >= 0.
-    "floor": exponent field - 127 - EMAX, clamped; -127 when amax < 2**-126.
-    """
-    b = amax.to(tl.int32, bitcast=True)
-    ef = (b >> 23) & 0xFF
-    if RULE == 0:
-        m = b & 0x7FFFFF
-        sub = ef == 0
-        ea = tl.where(sub, tl.where(((m >> 22) & 1) == 1, -127, -128), ef - 127)
-        ma = tl.where(sub, (m << 1) & 0x7FFFFF, m)
-        k = ea - EC + (ma > MC).to(tl.int32)
-    else:
-        k = tl.where(ef == 0, -127, ef - 127 - EMAX)
-    return tl.minimum(tl.maximum(k, -127), 127)
-
-
-@triton.jit
-def _element_limit(k, MBITS: tl.constexpr, EC: tl.constexpr, MAXV: tl.constexpr):
-    """The largest element v with v * 2**k <= FLT_MAX (``quant.mx.element_limit``), exactly:
-    min(MAXV, 2**(e+1) - 2**(e-MBITS)) with e = min(127 - k, EC); MAXV unless k > 127 - EC."""
-    e = tl.minimum(127 - k, EC)
-    return tl.minimum(_pow2(e + 1) - _pow2(e - MBITS), MAXV)
-
-
-@triton.jit
-def _mul_pow2(x, k):
-    """x * 2**k as ``formats.minifloat.mul_pow2``: x * 2**h * 2**(k-h), h = floor(k/2)."""
-    h = k >> 1  # arithmetic shift: floor
-    return x * _pow2(h) * _pow2(k - h)
-
-
-@triton.jit
-def _ue8m0_value(b):
-    """FP32 2**(b-127) for int32 b in 0..254 (b = 0: the subnormal 2**-127); 255 -> NaN."""
-    v = tl.where(b == 0, 1 << 22, b << 23).to(tl.float32, bitcast=True)
-    return tl.where(b == 255, float("nan"), v)
-
-
-@triton.jit
-def _load_f32(ptrs, mask, BF16: tl.constexpr):
-    """FP32 values of FP32 / FP16 inputs, or of BF16 inputs passed as their int16 bit patterns: bf16 bits
-    << 16 is the exact FP32 value (Triton's interpreter converts BF16 subnormals wrongly)."""
-    if BF16:
-        h = tl.load(ptrs, mask=mask, other=0)
-        return (h.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _randbits(seed, offset, row, col0, ROW_LEN, N: tl.constexpr):
-    """[N, 32] int32 patterns of tl.randint(seed, offset + row*ROW_LEN + col0 + i) (mod 2**32)."""
-    i32 = tl.arange(0, 32).to(tl.int64)
-    ctr = offset + row[:, None] * ROW_LEN + col0[:, None] + i32[None, :]
-    return tl.randint(seed, ctr.to(tl.uint32)).to(tl.int32, bitcast=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# MX blocks
 
 @triton.jit
 def _mx_block(x, rbits, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr,
               EMAX: tl.constexpr, MC: tl.constexpr, EC: tl.constexpr, RULE: tl.constexpr, ROUND: tl.constexpr):
     """Blocks x [N, 32] (FP32) -> (rounded magnitudes [N, 32], sign bits [N, 32], k [N, 1])."""
     amax = tl.reshape(tl.max(tl.abs(x), axis=1), [N, 1])
-    k = _scale_exponent(amax, RULE, MC, EC, EMAX)
-    scaled = _mul_pow2(x, -k)
+    k = scale_exponent(amax, RULE, MC, EC, EMAX)
+    scaled = mul_pow2(x, -k)
     neg = scaled.to(tl.int32, bitcast=True) < 0  # sign bit, -0.0 included
-    v = _round_magnitude(tl.abs(scaled), rbits, MBITS, EMIN, MAXV, ROUND)
+    v = round_magnitude(tl.abs(scaled), rbits, MBITS, EMIN, MAXV, ROUND)
     if RULE == 0:  # "ceil" near FLT_MAX: x^ = v * 2**k stays finite ("floor" has k <= 127 - EC)
-        v = tl.minimum(v, _element_limit(k, MBITS, EC, MAXV))
+        v = tl.minimum(v, element_limit(k, MBITS, EC, MAXV))
     return v, neg, k
 
 
@@ -221,7 +93,7 @@ def _mx_emit(v, neg, k, row, blk, mask, codes_ptr, scales_ptr, values_ptr, c_str
             tl.store(codes_ptr + row[:, None] * c_stride + blk[:, None] * 32 + i32[None, :], byte,
                      mask=mask[:, None])
     if WRITE_VALUES:
-        xv = tl.where(neg, -v, v) * _ue8m0_value(b)
+        xv = tl.where(neg, -v, v) * ue8m0_value(b)
         i32 = tl.arange(0, 32).to(tl.int64)
         tl.store(values_ptr + row[:, None] * v_stride + blk[:, None] * 32 + i32[None, :], xv, mask=mask[:, None])
 
@@ -238,10 +110,10 @@ def _mx_rows_kernel(x_ptr, codes_ptr, scales_ptr, values_ptr, n_blocks, nb, K, s
     row = bid // nb
     blk = bid % nb
     cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = _load_f32(x_ptr + row[:, None] * stride_row + cols, bmask[:, None] & (cols < K), BF16)
+    x = load_f32(x_ptr + row[:, None] * stride_row + cols, bmask[:, None] & (cols < K), BF16)
     rbits = 0
     if ROUND > 0:
-        rbits = _randbits(seed, offset, row, blk * 32, nb * 32, BB)
+        rbits = randbits(seed, offset, row, blk * 32, nb * 32, BB)
     v, neg, k = _mx_block(x, rbits, BB, MBITS, EMIN, MAXV, EMAX, MC, EC, RULE, ROUND)
     _mx_emit(v, neg, k, row, blk, bmask, codes_ptr, scales_ptr, values_ptr, c_stride, nb, nb * 32,
              BB, ELEM, WRITE_CODES, WRITE_VALUES)
@@ -264,13 +136,13 @@ def _mx_strided_kernel(x_ptr, codes_ptr, scales_ptr, values_ptr, A, D, B, sa, sd
     d = j * 32 + tl.arange(0, 32).to(tl.int64)
     b = bt * BN + tl.arange(0, BN).to(tl.int64)
     m = (d < D)[:, None] & (b < B)[None, :]
-    x = _load_f32(x_ptr + a * sa + d[:, None] * sd + b[None, :] * sb, m, BF16)
+    x = load_f32(x_ptr + a * sa + d[:, None] * sd + b[None, :] * sb, m, BF16)
     xt = tl.trans(x)  # [BN, 32]: one block per row
     row = a * B + b
     blk = tl.zeros([BN], dtype=tl.int64) + j
     rbits = 0
     if ROUND > 0:
-        rbits = _randbits(seed, offset, row, blk * 32, nbd * 32, BN)
+        rbits = randbits(seed, offset, row, blk * 32, nbd * 32, BN)
     v, neg, k = _mx_block(xt, rbits, BN, MBITS, EMIN, MAXV, EMAX, MC, EC, RULE, ROUND)
     _mx_emit(v, neg, k, row, blk, b < B, codes_ptr, scales_ptr, values_ptr, c_stride, nbd, nbd * 32,
              BN, ELEM, WRITE_CODES, WRITE_VALUES)
@@ -294,7 +166,7 @@ def _mx_rows_cols_kernel(
     tk = pid % n_kt
     mi = ti * 32 + tl.arange(0, 32).to(tl.int64)
     ki = tk * BN + tl.arange(0, BN).to(tl.int64)
-    x = _load_f32(x_ptr + mi[:, None] * sm + ki[None, :] * sk, (mi < M)[:, None] & (ki < K)[None, :], BF16)
+    x = load_f32(x_ptr + mi[:, None] * sm + ki[None, :] * sk, (mi < M)[:, None] & (ki < K)[None, :], BF16)
     # row-wise: [32, BN] -> [32 * NBR, 32], block n = (row n // NBR, block tk*NBR + n % NBR)
     xr = tl.reshape(x, [32 * NBR, 32])
     n = tl.arange(0, 32 * NBR).to(tl.int64)
@@ -302,7 +174,7 @@ def _mx_rows_cols_kernel(
     blk = tk * NBR + n % NBR
     rbits = 0
     if ROUND_R > 0:
-        rbits = _randbits(seed, offset_r, row, blk * 32, nbk * 32, 32 * NBR)
+        rbits = randbits(seed, offset_r, row, blk * 32, nbk * 32, 32 * NBR)
     v, neg, k = _mx_block(xr, rbits, 32 * NBR, MBITS_R, EMIN_R, MAXV_R, EMAX_R, MC_R, EC_R, RULE_R, ROUND_R)
     _mx_emit(v, neg, k, row, blk, (row < M) & (blk < nbk), rc_ptr, rs_ptr, rv_ptr, rc_stride, nbk, nbk * 32,
              32 * NBR, ELEM_R, WRITE_CODES, WRITE_VALUES)
@@ -311,7 +183,7 @@ def _mx_rows_cols_kernel(
     cblk = tl.zeros([BN], dtype=tl.int64) + ti
     rbits_c = 0
     if ROUND_C > 0:
-        rbits_c = _randbits(seed, offset_c, ki, cblk * 32, nbm * 32, BN)
+        rbits_c = randbits(seed, offset_c, ki, cblk * 32, nbm * 32, BN)
     vc, negc, kc = _mx_block(xc, rbits_c, BN, MBITS_C, EMIN_C, MAXV_C, EMAX_C, MC_C, EC_C, RULE_C, ROUND_C)
     _mx_emit(vc, negc, kc, ki, cblk, ki < K, cc_ptr, cs_ptr, cv_ptr, cc_stride, nbm, nbm * 32,
              BN, ELEM_C, WRITE_CODES, WRITE_VALUES)
@@ -346,15 +218,8 @@ def _mx_dequantize_kernel(codes_ptr, scales_ptr, out_ptr, n_blocks, ELEM: tl.con
             mag = tl.where(ex == 31, tl.where(mb == 0, float("inf"), float("nan")), mag)
         q = tl.where((c & 0x80) != 0, -mag, mag)
     sb = tl.load(scales_ptr + bid, mask=bmask, other=127).to(tl.int32)
-    out = q * tl.reshape(_ue8m0_value(sb), [BB, 1])
+    out = q * tl.reshape(ue8m0_value(sb), [BB, 1])
     tl.store(out_ptr + bid[:, None] * 32 + i32[None, :], out, mask=bmask[:, None])
-
-
-@triton.jit(do_not_specialize=["seed", "offset"])
-def _random_bits_kernel(out_ptr, n, seed, offset, B: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B).to(tl.int64)
-    r = tl.randint(seed, (offset + i).to(tl.uint32))
-    tl.store(out_ptr + i, r.to(tl.int32, bitcast=True), mask=i < n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,11 +231,6 @@ _FLOAT_IN = (torch.float32, torch.bfloat16, torch.float16)
 def _check_float(x: torch.Tensor, name: str) -> None:
     if x.dtype not in _FLOAT_IN:
         raise TypeError(f"{name}: unsupported dtype {x.dtype} (float32, bfloat16, float16)")
-
-
-def _bits_view(x: torch.Tensor):
-    """(tensor for the kernel, BF16 flag): BF16 goes in as its int16 bit patterns (see ``_load_f32``)."""
-    return (x.view(torch.int16), True) if x.dtype == torch.bfloat16 else (x, False)
 
 
 def _outputs(R: int, Kp: int, element: str, want_codes: bool, want_values: bool, dev):
@@ -404,9 +264,9 @@ def quantize_mx_rows(x: torch.Tensor, spec, seed: int = 0, offset: int = 0, want
     if R * nb:
         p = spec_params(spec)
         grid = (triton.cdiv(R * nb, BLOCKS_PER_PROGRAM),)
-        xk, bf16 = _bits_view(x)
+        xk, bf16 = bits_view(x)
         _mx_rows_kernel[grid](xk, *_ptrs(codes, scales, values), R * nb, nb, K, x.stride(0),
-                              nb * (16 if spec.element == "e2m1" else 32), int(seed), int(offset), **p,
+                              nb * code_width(spec.element, BLOCK), int(seed), int(offset), **p,
                               WRITE_CODES=want_codes, WRITE_VALUES=want_values, BB=BLOCKS_PER_PROGRAM,
                               BF16=bf16, enable_fp_fusion=False)
     return codes, scales, values
@@ -430,9 +290,9 @@ def quantize_mx_strided(x3: torch.Tensor, spec, seed: int = 0, offset: int = 0, 
         p = spec_params(spec)
         n_bt = triton.cdiv(B, TILE_N)
         grid = (A * nbd * n_bt,)
-        xk, bf16 = _bits_view(x3)
+        xk, bf16 = bits_view(x3)
         _mx_strided_kernel[grid](xk, *_ptrs(codes, scales, values), A, D, B, *x3.stride(), nbd, n_bt,
-                                 nbd * (16 if spec.element == "e2m1" else 32), int(seed), int(offset), **p,
+                                 nbd * code_width(spec.element, BLOCK), int(seed), int(offset), **p,
                                  WRITE_CODES=want_codes, WRITE_VALUES=want_values, BN=TILE_N,
                                  BF16=bf16, enable_fp_fusion=False)
     return codes, scales, values
@@ -465,10 +325,10 @@ def quantize_mx_rows_cols(x: torch.Tensor, spec_rows, spec_cols, seed: int = 0, 
     if M * K:
         n_kt = triton.cdiv(K, TILE_N)
         grid = (nbm * n_kt,)
-        xk, bf16 = _bits_view(x)
+        xk, bf16 = bits_view(x)
         _mx_rows_cols_kernel[grid](
             xk, *_ptrs(*rows), *_ptrs(*cols), M, K, x.stride(0), x.stride(1), nbk, nbm, n_kt,
-            nbk * (16 if spec_rows.element == "e2m1" else 32), nbm * (16 if spec_cols.element == "e2m1" else 32),
+            nbk * code_width(spec_rows.element, BLOCK), nbm * code_width(spec_cols.element, BLOCK),
             int(seed), int(offset), int(offset_cols),
             **_suffixed(spec_params(spec_rows), "_R"), **_suffixed(spec_params(spec_cols), "_C"),
             WRITE_CODES=want_codes, WRITE_VALUES=want_values, BN=TILE_N, NBR=TILE_N // BLOCK,
@@ -482,7 +342,7 @@ def dequantize_mx_2d(codes: torch.Tensor, scale_bytes: torch.Tensor, element: st
     if codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = codes.view(torch.uint8)
     R, nb = scale_bytes.shape
-    width = nb * (16 if element == "e2m1" else 32)
+    width = nb * code_width(element, BLOCK)
     if codes.shape != (R, width):
         raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scale_bytes.shape)} do not match")
     out = torch.empty(R, nb * BLOCK, dtype=torch.float32, device=codes.device)
@@ -493,13 +353,4 @@ def dequantize_mx_2d(codes: torch.Tensor, scale_bytes: torch.Tensor, element: st
     return out
 
 
-def random_bits(n: int, seed: int, offset: int = 0, device="cpu") -> torch.Tensor:
-    """The uint32 draws (as int32 bit patterns) the kernels use for counters offset .. offset+n-1:
-    ``tl.randint(seed, (offset + i) mod 2**32)``."""
-    out = torch.empty(n, dtype=torch.int32, device=device)
-    if n:
-        _random_bits_kernel[(triton.cdiv(n, 1024),)](out, n, int(seed), int(offset), B=1024)
-    return out
-
-
-__all__ = ["quantize_mx_rows", "quantize_mx_strided", "quantize_mx_rows_cols", "dequantize_mx_2d", "random_bits"]
+__all__ = ["spec_params", "quantize_mx_rows", "quantize_mx_strided", "quantize_mx_rows_cols", "dequantize_mx_2d", "random_bits"]

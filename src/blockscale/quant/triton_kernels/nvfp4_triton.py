@@ -14,7 +14,7 @@ Why it is bit-exact:
 * BF16 inputs are loaded as their int16 bit patterns and shifted into the FP32 bit pattern
   (``mx_triton._load_f32``): exact, where Triton's interpreter converts BF16 subnormals wrongly with
   ``.to(tl.float32)`` (FP16 converts exactly, subnormals included);
-* E4M3 / E2M1 rounding is integer arithmetic on the FP32 bit pattern (``_round_magnitude``), never a
+* E4M3 / E2M1 rounding is integer arithmetic on the FP32 bit pattern (``round_magnitude``), never a
   float8 cast (Triton's interpreter cast to float8e4nv is wrong, and GPUs differ);
 * divisions are ``div_rn`` (plain ``/`` on fp32 is an approximate ``div.full`` on NVIDIA);
 * kernels are launched with ``enable_fp_fusion=False``: a fused ``(q*s)*inv_S - x`` or ``d*d + e*e``
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx_triton import _bits_view, _load_f32, _round_magnitude, random_bits, rounding_id  # shared helpers
+from .common import bits_view, load_f32, round_magnitude, random_bits, rounding_id  # shared helpers
 
 BLOCK = 16
 BLOCKS_PER_PROGRAM = 64  # 1024 elements per program
@@ -51,7 +51,7 @@ ERRORS = {"mse": 0, "mae": 1, "maxabs": 2}
 @triton.jit
 def _e4m3_rne(t):
     """e4m3_rne(min(t, 448)) for t >= 0 (FP32 value on the E4M3 grid)."""
-    return _round_magnitude(tl.minimum(t, 448.0), 0, 3, -6, 448.0, 0)
+    return round_magnitude(tl.minimum(t, 448.0), 0, 3, -6, 448.0, 0)
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _e2m1_magnitude(x, s, inv_s, rbits, ROUND: tl.constexpr):
     e = tl.where(den == 0.0, FLT_MAX, tl.minimum(e, FLT_MAX))
     e = tl.where(s == 0.0, 0.0, e)
     xe = tl.minimum(tl.maximum(x * e, -6.0), 6.0)
-    return _round_magnitude(tl.abs(xe), rbits, 1, 0, 6.0, ROUND)
+    return round_magnitude(tl.abs(xe), rbits, 1, 0, 6.0, ROUND)
 
 
 @triton.jit
@@ -144,7 +144,7 @@ def _nvfp4_quantize_kernel(
     i16 = tl.arange(0, BLOCK)
     cols = col[:, None] + i16[None, :]
     m = bmask[:, None] & (cols < K)
-    x = _load_f32(x_ptr + row[:, None] * stride_row + cols, m, BF16)
+    x = load_f32(x_ptr + row[:, None] * stride_row + cols, m, BF16)
     S = tl.reshape(tl.load(s_ptr + row * s_stride, mask=bmask, other=1.0), [BB, 1])
     inv_s = tl.math.div_rn(tl.full(S.shape, 1.0, tl.float32), S)
     neg = x.to(tl.int32, bitcast=True) < 0  # sign bit of the input, -0.0 included
@@ -232,7 +232,7 @@ def _nvfp4_tile_quantize_kernel(
     cols = tc[:, None, None] * BLOCK + i16[None, None, :]  # [TB, 1, 16]
     rmask = tmask[:, None, None] & (rows < M)
     m = rmask & (cols < K)
-    x = _load_f32(x_ptr + b[:, None, None] * stride_b + rows * stride_row + cols, m, BF16)
+    x = load_f32(x_ptr + b[:, None, None] * stride_b + rows * stride_row + cols, m, BF16)
     S = tl.reshape(tl.load(s_ptr + (b * M + tr * BLOCK) * s_stride, mask=tmask, other=1.0), [TB, 1, 1])
     inv_s = tl.math.div_rn(tl.full(S.shape, 1.0, tl.float32), S)
     neg = x.to(tl.int32, bitcast=True) < 0
@@ -300,7 +300,7 @@ def _nvfp4_dequantize_kernel(codes_ptr, scales_ptr, inv_s_ptr, out_ptr, n_blocks
     tl.store(out_ptr + bid[:, None] * BLOCK + i16[None, :], out, mask=bmask[:, None])
 
 
-def _per_row(v: torch.Tensor, rows: int, name: str):
+def per_row(v: torch.Tensor, rows: int, name: str):
     """FP32 per-row vector and its stride: one scalar (stride 0) or one value per row."""
     v = v.detach().to(torch.float32).reshape(-1)
     if v.numel() not in (1, rows):
@@ -336,7 +336,7 @@ def quantize_nvfp4_2d(x: torch.Tensor, S: torch.Tensor, scale_rule: str = "6", e
     R, K = x.shape
     nb = (K + BLOCK - 1) // BLOCK
     Kp = nb * BLOCK
-    S, s_stride = _per_row(S.to(x.device), R, "S")
+    S, s_stride = per_row(S.to(x.device), R, "S")
     dev = x.device
     rpb = R if rows_per_batch is None else int(rows_per_batch)
     swizzle = _check_layout(scale_layout)
@@ -349,7 +349,7 @@ def quantize_nvfp4_2d(x: torch.Tensor, S: torch.Tensor, scale_rule: str = "6", e
     n_blocks = R * nb
     if n_blocks:
         grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
-        xk, bf16 = _bits_view(x)
+        xk, bf16 = bits_view(x)
         _nvfp4_quantize_kernel[grid](
             xk, S, scales if codes is None else codes, scales, scales if values is None else values,
             n_blocks, nb, K, x.stride(0), s_stride, int(seed), int(offset), max(rpb, 1),
@@ -398,7 +398,7 @@ def quantize_nvfp4_tiles(x: torch.Tensor, S: torch.Tensor, scale_rule: str = "6"
     B, M, K = x.shape
     nbm, nbk = -(-M // BLOCK), -(-K // BLOCK)
     Kp = nbk * BLOCK
-    S, s_stride = _per_row(S.to(x.device), B * M, "S")
+    S, s_stride = per_row(S.to(x.device), B * M, "S")
     dev = x.device
     swizzle = _check_layout(scale_layout)
     scales = _swizzled_empty(B, M, nbk, dev) if swizzle else torch.empty(B * M, nbk, dtype=torch.uint8, device=dev)
@@ -407,7 +407,7 @@ def quantize_nvfp4_tiles(x: torch.Tensor, S: torch.Tensor, scale_rule: str = "6"
     n_tiles = B * nbm * nbk
     if n_tiles:
         grid = (triton.cdiv(n_tiles, TILES_PER_PROGRAM),)
-        xk, bf16 = _bits_view(x)
+        xk, bf16 = bits_view(x)
         _nvfp4_tile_quantize_kernel[grid](
             xk, S, scales if codes is None else codes, scales, scales if values is None else values,
             n_tiles, nbm, nbk, M, K, x.stride(0), x.stride(1), s_stride, int(seed), int(offset),
@@ -427,7 +427,7 @@ def dequantize_nvfp4_2d(codes: torch.Tensor, scale_bytes: torch.Tensor, inv_s: t
     nb = scale_bytes.shape[-1]
     if half != nb * (BLOCK // 2) or scale_bytes.shape[0] != R:
         raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scale_bytes.shape)} do not match")
-    inv_s, stride = _per_row(inv_s.to(codes.device), R, "inv_s")
+    inv_s, stride = per_row(inv_s.to(codes.device), R, "inv_s")
     out = torch.empty(R, nb * BLOCK, dtype=torch.float32, device=codes.device)
     if R * nb:
         grid = (triton.cdiv(R * nb, BLOCKS_PER_PROGRAM),)

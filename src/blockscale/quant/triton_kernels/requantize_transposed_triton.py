@@ -21,7 +21,7 @@ tensor never goes to memory. Same FP32 operations, in the same order, as
 Stochastic rounding draws ``tl.randint(seed, (offset + i) mod 2**32)`` with ``i = k * Mp + m`` the
 element's index in the M-padded [K, Mp] output layout (Mp = M rounded up to 32): the draws of
 ``nvfp4_triton.random_bits(K * Mp, seed, offset)``, which the reference consumes through
-``blocking.random_from_bits`` (``quant.requantize_transposed.nvfp4_to_mx_transposed(..., rand_bits=...)``).
+``blocking.random_from_bits`` (``quant.transforms.requantize_transposed.nvfp4_to_mx_transposed(..., rand_bits=...)``).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx_triton import _element_limit, _pow2, _round_magnitude, rounding_id
-from .nvfp4_triton import _per_row
+from .common import element_limit, pow2, round_magnitude, rounding_id
+from .nvfp4_triton import per_row
 
 MX_BLOCK = 32
 NV_BLOCK = 16
@@ -48,7 +48,7 @@ SCALE_RULES = {"ceil": 0, "floor": 1}
 @triton.jit
 def _times_pow2(c: tl.constexpr, k):
     """c * 2**k for int32 k in [-127, 127] (2**-127 as (c/2) * 2**-126: no subnormal constant)."""
-    return tl.where(k > -127, c * _pow2(tl.maximum(k, -126)), (c * 0.5) * 1.1754943508222875e-38)
+    return tl.where(k > -127, c * pow2(tl.maximum(k, -126)), (c * 0.5) * 1.1754943508222875e-38)
 
 
 @triton.jit
@@ -75,8 +75,8 @@ def _fp8_byte(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
     b = v.to(tl.int32, bitcast=True)
     normal = ((((b >> 23) & 0xFF) - 127 - EMIN + 1) << MBITS) | ((b >> (23 - MBITS)) & ((1 << MBITS) - 1))
     # subnormal: v / 2**(EMIN - MBITS), an exact small integer (scaled in two steps: 2**(MBITS - EMIN) <= 2**16)
-    small = _pow2(tl.full(v.shape, EMIN, tl.int32))
-    sub = (tl.minimum(v, small) * _pow2(tl.full(v.shape, MBITS - EMIN, tl.int32))).to(tl.int32)
+    small = pow2(tl.full(v.shape, EMIN, tl.int32))
+    sub = (tl.minimum(v, small) * pow2(tl.full(v.shape, MBITS - EMIN, tl.int32))).to(tl.int32)
     return tl.where(v >= small, normal, sub)
 
 
@@ -118,7 +118,7 @@ def _nvfp4_to_mx_t_kernel(
     e = _block_exponent(amax, MAXE, EMAXE, RULE)  # [TK, NB, 1] int32
     nk = -e
     h = nk >> 1  # floor(-k / 2)
-    scaled = xb * _pow2(h) * _pow2(nk - h)
+    scaled = xb * pow2(h) * pow2(nk - h)
     neg = xb.to(tl.int32, bitcast=True) < 0
     mo = tl.reshape(m, [1, NB, 32])  # output column (source row) of each element
     ko = k[:, None, None]
@@ -126,9 +126,9 @@ def _nvfp4_to_mx_t_kernel(
         rbits = tl.randint(seed, (offset + ko * Mp + mo).to(tl.uint32)).to(tl.int32, bitcast=True)
     else:
         rbits = 0
-    v = _round_magnitude(tl.abs(scaled), rbits, MBITS, EMIN, MAXE, ROUND)
+    v = round_magnitude(tl.abs(scaled), rbits, MBITS, EMIN, MAXE, ROUND)
     if RULE == 0:  # "ceil" near FLT_MAX: x^ = v * 2**k stays finite (EMAXE = floor(log2 MAXE))
-        v = tl.minimum(v, _element_limit(e, MBITS, EMAXE, MAXE))
+        v = tl.minimum(v, element_limit(e, MBITS, EMAXE, MAXE))
     dst = (ko < K) & (mo < Mp)
     if WRITE_CODES:
         cb = _fp8_byte(v, MBITS, EMIN) | (neg.to(tl.int32) << 7)
@@ -172,7 +172,7 @@ def nvfp4_to_mx_t(codes: torch.Tensor, scale_bytes: torch.Tensor, inv_s: torch.T
     dev = codes.device
     Mp = -(-M // MX_BLOCK) * MX_BLOCK
     nbm = Mp // MX_BLOCK
-    inv_s, inv_stride = _per_row(inv_s.to(dev), M, "inv_s")
+    inv_s, inv_stride = per_row(inv_s.to(dev), M, "inv_s")
     out_codes = torch.empty(K, Mp, dtype=torch.uint8, device=dev) if want_codes else None
     out_scales = torch.empty(K, nbm, dtype=torch.uint8, device=dev)
     out_values = torch.empty(K, Mp, dtype=torch.float32, device=dev) if want_values else None

@@ -1,7 +1,7 @@
 """S2F6 (int8 x 2**-6, one UE8M0 scale per 32 values along the last dim) quantize / dequantize as
 Triton kernels, with the optional 32-point random Hadamard transform fused in.
 
-Same FP32 operations, in the same order, as the reference (``quant/s2f6.py``, ``quant/hadamard.py``):
+Same FP32 operations, in the same order, as the reference (``quant/s2f6/quantize.py``, ``quant/transforms/hadamard.py``):
 
     x'  = butterfly(x * signs) * FP32(1/sqrt(32))      butterfly: h = 1, 2, 4, 8, 16; pairs (i, i + h)
                                                         of each 2h group -> (a + b, a - b)
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx_triton import (BLOCKS_PER_PROGRAM, RULES, _bits_view, _load_f32, _mul_pow2, _randbits, _round_magnitude,
-                        _scale_exponent, _ue8m0_value, max_bits, rounding_id)
+from .common import (BLOCKS_PER_PROGRAM, RULES, bits_view, load_f32, mul_pow2, randbits, round_magnitude,
+                        scale_exponent, ue8m0_value, max_bits, rounding_id)
 
 BLOCK = 32
 S2F6_MAX = 127.0 / 64.0
@@ -60,18 +60,18 @@ def _s2f6_quantize_kernel(x_ptr, signs_ptr, codes_ptr, scales_ptr, n_blocks, nb,
     blk = bid % nb
     i32 = tl.arange(0, 32)
     cols = blk[:, None] * 32 + i32[None, :]
-    x = _load_f32(x_ptr + row[:, None] * stride_row + cols, bmask[:, None] & (cols < K), BF16)
+    x = load_f32(x_ptr + row[:, None] * stride_row + cols, bmask[:, None] & (cols < K), BF16)
     if HADAMARD:
         s = tl.load(signs_ptr + i32)
         x = _butterfly32(x * s[None, :], BB) * C
     amax = tl.reshape(tl.max(tl.abs(x), axis=1), [BB, 1])
-    k = _scale_exponent(amax, RULE, MC, EC, 0)
-    scaled = _mul_pow2(x, -k)
+    k = scale_exponent(amax, RULE, MC, EC, 0)
+    scaled = mul_pow2(x, -k)
     rbits = 0
     if ROUND > 0:
-        rbits = _randbits(seed, offset, row, blk * 32, nb * 32, BB)
+        rbits = randbits(seed, offset, row, blk * 32, nb * 32, BB)
     # integer rounding of t = |scaled| * 64 < 128: quantum 1 (MBITS = EMIN = 7), saturate at 127
-    r = _round_magnitude(tl.abs(scaled) * 64.0, rbits, 7, 7, 127.0, ROUND).to(tl.int32)
+    r = round_magnitude(tl.abs(scaled) * 64.0, rbits, 7, 7, 127.0, ROUND).to(tl.int32)
     code = tl.where(scaled.to(tl.int32, bitcast=True) < 0, -r, r)
     tl.store(codes_ptr + bid[:, None] * 32 + i32[None, :], code.to(tl.int8), mask=bmask[:, None])
     tl.store(scales_ptr + bid, tl.reshape(k + 127, [BB]).to(tl.uint8), mask=bmask)
@@ -86,7 +86,7 @@ def _s2f6_dequantize_kernel(codes_ptr, scales_ptr, signs_ptr, out_ptr, n_blocks,
     i32 = tl.arange(0, 32)
     c = tl.load(codes_ptr + bid[:, None] * 32 + i32[None, :], mask=bmask[:, None], other=0)
     sb = tl.load(scales_ptr + bid, mask=bmask, other=127).to(tl.int32)
-    v = (c.to(tl.float32) * 0.015625) * tl.reshape(_ue8m0_value(sb), [BB, 1])
+    v = (c.to(tl.float32) * 0.015625) * tl.reshape(ue8m0_value(sb), [BB, 1])
     if HADAMARD:
         s = tl.load(signs_ptr + i32)
         v = (_butterfly32(v, BB) * C) * s[None, :]
@@ -122,7 +122,7 @@ def quantize_s2f6_2d(x: torch.Tensor, signs: torch.Tensor | None, scale_rule: st
     s = _signs(signs, x.device)
     if R * nb:
         grid = (triton.cdiv(R * nb, BLOCKS_PER_PROGRAM),)
-        xk, bf16 = _bits_view(x)
+        xk, bf16 = bits_view(x)
         _s2f6_quantize_kernel[grid](xk, scales if s is None else s, codes, scales, R * nb, nb, K, x.stride(0),
                                     int(seed), int(offset), C=INV_SQRT32, MC=_MC, EC=_EC, RULE=RULES[scale_rule],
                                     ROUND=rounding_id(rounding, sr_mode), HADAMARD=s is not None,

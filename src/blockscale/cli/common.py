@@ -1,0 +1,117 @@
+"""Pieces every ``blockscale`` subcommand shares: recipe / dtype flags, thread setup, progress bars on a
+terminal only, JSON-safe records, the --debug / --threads / --skip-indivisible flags."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from ..errors import UsageError
+from .checks import MAX_THREADS, check_int, number
+from .reporting import warn
+
+DEBUG_HELP = "show the full traceback of an error (default: one line)"
+
+
+def checkpoint_formats() -> tuple[str, ...]:
+    """The registered checkpoint formats (``--format`` choices), compressed-tensors first."""
+    from ..export import FORMATS
+
+    return tuple(FORMATS)
+
+
+def resolve_recipe(value: str, flag: str = "--recipe"):
+    """The Recipe a flag names (a built-in name or a YAML file); a bad one is a UsageError naming the flag."""
+    from ..recipes import get_recipe
+
+    try:
+        return get_recipe(value)
+    except (ValueError, TypeError, OSError) as exc:
+        named = str(value) in str(exc)  # the message names the file already
+        prefix = (f"{flag}: " if flag.startswith("-") else "") if named else f"{flag} {value}: "
+        raise UsageError(f"{prefix}{exc}") from None
+
+
+def parse_dtype(name: str):
+    import torch
+
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise UsageError(f"--dtype {name!r}; allowed values: {', '.join(table)}")
+    return table[name]
+
+
+def setup(args) -> None:
+    import torch
+
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        torch.set_num_threads(check_int(threads, "--threads", 1, MAX_THREADS))
+    show_progress()
+
+
+def show_progress() -> bool:
+    """Progress bars only on a terminal: when stderr is a file or pipe (logs, CI) they are turned off,
+    transformers' loading bars too, so stderr holds only warnings and the error line."""
+    if sys.stderr.isatty():
+        return True
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return False
+    hf_logging.disable_progress_bar()
+    return False
+
+
+def local_path(model: str):
+    """``model`` as a Path when it names something on this machine (the model being read), else None."""
+    from pathlib import Path
+
+    p = Path(model).expanduser()
+    return p if p.exists() else None
+
+
+def jsonable(obj):
+    """``obj`` as strict JSON data: non-finite floats and other objects become strings."""
+    import json
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return clean(json.loads(json.dumps(obj, default=str)))
+
+
+def check_eval_ctx(prog: str, model, ctx: int, given: bool) -> None:
+    """One warning line when ``ctx`` exceeds the model's ``max_position_embeddings``."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and ctx > limit:
+        what = f"--ctx {ctx}" if given else f"the default context {ctx} (set --ctx)"
+        warn(prog, f"{what} exceeds the model's max_position_embeddings {limit}: positions beyond it were not "
+                   "trained, so the perplexity may not mean much")
+
+
+def add_skip_indivisible(p) -> None:
+    """--skip-indivisible / --no-skip-indivisible (not given: on for built-in models, off otherwise)."""
+    skip = p.add_mutually_exclusive_group()
+    skip.add_argument("--skip-indivisible", action="store_true", default=None,
+                      help="keep Linears whose in_features is not a multiple of 16 in high precision instead of "
+                           "failing (default: on for the built-in models, off otherwise)")
+    skip.add_argument("--no-skip-indivisible", dest="skip_indivisible", action="store_false",
+                      help="fail on such Linears, even for a built-in model")
+
+
+def add_common(p, threads: bool = True) -> None:
+    """--debug on every subcommand (also accepted before it), --threads where torch computes."""
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    if threads:
+        number(p, "--threads", int, lo=1, hi=MAX_THREADS, help="torch CPU threads")
+
+
+__all__ = ["DEBUG_HELP", "add_common", "add_skip_indivisible", "check_eval_ctx", "checkpoint_formats", "jsonable",
+           "local_path", "parse_dtype", "resolve_recipe", "setup", "show_progress"]

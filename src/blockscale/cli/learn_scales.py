@@ -1,0 +1,211 @@
+"""``blockscale learn-scales``: make a quantized model's NVFP4 block scales trainable, distill from the
+full-precision teacher, export with the learned scales.
+
+The teacher is an explicit ``--teacher MODEL``. A checkpoint's metadata names the model it was made
+from, but metadata is untrusted: it is used only with ``--teacher-from-metadata``, and only when it is a
+built-in name or a hub name (org/name), never a local path.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, check_device,
+                         check_model, check_out, check_product, check_run_dir, check_text, number)
+from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, jsonable, local_path, setup,
+                     show_progress)
+from .quantize import quantize_reported, skip_indivisible
+from ..errors import UsageError
+
+DEFAULT_LR_SCALES = 3e-3  # docs/results/scale-learning.md
+
+
+def scales_stuck(steps_per_scale_step: float, steps: int) -> bool:
+    """Whether the run is too short for a typical block scale to move by one E4M3 step at all
+    (``lsq.steps_per_scale_step``'s estimate exceeds ``--steps``): then --lr-scales is too small."""
+    return steps_per_scale_step > steps
+
+
+HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def teacher_from_metadata(ckpt: Path, recorded) -> str:
+    """The recorded source model of ``ckpt`` when it is a built-in or hub name that is not also a local path."""
+    from ..models.hf import BUILTIN_MODELS
+
+    if recorded is None:
+        raise UsageError(f"--teacher-from-metadata: the metadata of {ckpt} names no source model; pass --teacher "
+                         "MODEL (the full-precision model)")
+    builtin = recorded.lower() in BUILTIN_MODELS or recorded.lower() == "smollm2"
+    hub = bool(HUB_NAME.fullmatch(recorded)) and ".." not in recorded
+    if not (builtin or hub) or Path(recorded).expanduser().exists():
+        raise UsageError(f"--teacher-from-metadata: the metadata of {ckpt} names {recorded!r}, which is not a "
+                         "built-in or hub model name (a local path from metadata is never loaded); pass --teacher "
+                         "MODEL")
+    return recorded
+
+
+def resolve_teacher(args, ckpt: Path) -> str:
+    """The teacher of a checkpoint input: --teacher, or with --teacher-from-metadata the recorded name."""
+    from ..models.hf import source_model
+
+    if args.teacher:
+        check_model(args.teacher, "--teacher")
+        return args.teacher
+    recorded = source_model(ckpt)
+    if args.teacher_from_metadata:
+        return teacher_from_metadata(ckpt, recorded)
+    if recorded is None:
+        raise UsageError(f"{ckpt} is a quantized checkpoint: pass the full-precision teacher with --teacher MODEL")
+    raise UsageError(f"{ckpt} is a quantized checkpoint: pass the full-precision teacher with --teacher MODEL (its "
+                     f"metadata names the source model {recorded!r}; pass --teacher-from-metadata to use that name)")
+
+
+def _rank_device(device: str) -> str:
+    """Under torchrun plain "cuda" means this rank's GPU (cuda:LOCAL_RANK)."""
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
+def cmd_learn_scales(args) -> int:
+    import copy
+
+    from .. import lsq
+    from ..export import export_checkpoint
+    from ..models.hf import is_blockscale_checkpoint, load_model
+    from ..ptq import PTQConfig
+    from ..ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, open_model, record_dict
+    from ..data.text_sources import calibration_batches
+
+    setup(args)
+    check_model(args.model)
+    device = _rank_device(check_device(args.device))
+    check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="training tokens")
+    check_product(("--batch-size", args.batch_size), ("--seq-len", args.seq_len), what="tokens per micro step")
+    check_text(args.data, "--data")
+    if args.eval not in (None, "default"):
+        check_text(args.eval, "--eval")
+    path = Path(args.model)
+    is_ckpt = path.is_dir() and is_blockscale_checkpoint(path)
+    teacher_name = resolve_teacher(args, path) if is_ckpt else args.model
+    out = check_out(args.out, overwrite=args.overwrite, sources=[local_path(args.model), local_path(teacher_name)])
+    train_dir = check_run_dir(str(out) + ".train", "--out")
+    defaults = default_texts(args.model)
+    if is_ckpt:
+        student_lm = open_model(args.model, device=device, verify=not args.no_verify)
+        teacher_lm = load_model(teacher_name, device=device)
+        weights, ptq_report = None, None  # latent weights: the checkpoint's dequantized weights
+    else:
+        teacher_lm = load_model(args.model, device=device)
+        student_lm = copy.copy(teacher_lm)
+        student_lm.model = copy.deepcopy(teacher_lm.model)
+        cfg = PTQConfig(method="rtn", scale_rule=args.scale_rule, activations="w4a4" if args.w4a4 else "w4a16",
+                        skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
+                        n_samples=args.n_samples, seq_len=args.seq_len)
+        ptq_report = quantize_reported("blockscale learn-scales", lambda: calibrate_and_quantize(
+            student_lm.model, teacher_lm.tokenizer, cfg, defaults.calib, defaults.calib_bos,
+            progress=show_progress()), defaulted=args.skip_indivisible is None).to_dict()
+        weights = teacher_lm.model  # RTN of these weights: the step-0 model equals the PTQ model
+    if teacher_lm.tokenizer is None:
+        raise UsageError(f"learn-scales trains on text, but {teacher_name} has no tokenizer (save one next to the "
+                         "weights)")
+    lsq.enable(student_lm.model, mode=args.mode, init="stored", weights=weights)
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 evaluates and writes
+    med, n_steps = lsq.steps_per_scale_step(student_lm.model, args.lr_scales)
+    if main_rank:
+        print(f"median block amax {med:.3g}: at --lr-scales {args.lr_scales:g} (Adam moves an amax by about that "
+              f"much per step) a typical block scale needs ~{n_steps:.0f} steps to move by one E4M3 step"
+              + ("; consider a larger --lr-scales (docs/lsq.md)" if scales_stuck(n_steps, args.steps) else ""),
+              flush=True)
+    tokens = calibration_batches(teacher_lm.tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
+                                 seed=args.seed, bos=defaults.calib_bos)
+    dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=args.lr_scales, lr_weights=args.lr_weights,
+                             batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
+                             temperature=args.temperature, ce_weight=args.ce_weight, seed=args.seed,
+                             out_dir=str(train_dir))
+    record = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train,
+              "scale_rule": None if is_ckpt else args.scale_rule, "w4a4": None if is_ckpt else args.w4a4}
+    report = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train, "ptq": ptq_report}
+    evals = {}
+
+    def ppl(tag):
+        if args.eval and main_rank:
+            src = defaults.eval if args.eval == "default" else args.eval
+            if tag == "before":
+                check_eval_ctx("blockscale learn-scales", student_lm.model, defaults.ctx, False)
+            rec = evaluate_ppl(student_lm.model, teacher_lm.tokenizer, src, defaults.ctx, defaults.bos,
+                               args.max_eval_tokens)
+            evals[tag] = record_dict(rec)
+            print(f"perplexity {tag}: {rec.ppl:.4f} ({rec.tokens_evaluated} tokens of {rec.source})", flush=True)
+
+    ppl("before")
+    report["distill"] = lsq.distill(student_lm.model, teacher_lm.model, tokens, dcfg, resume=args.resume,
+                                    progress=show_progress(), record=record, force=args.force)
+    if not main_rank:
+        return 0
+    ppl("after")
+    if evals:  # as in quantize's ptq_report.json: no key without --eval (the metadata says null)
+        report["perplexity"] = evals
+    lsq.freeze(student_lm.model)
+    meta = {"model": teacher_name,  # a summary; details: lsq_report.json
+            "scale_learning": {"mode": args.mode, "train": args.train, "steps": args.steps,
+                               "perplexity": evals or None}}
+    tok = teacher_lm.tokenizer.hf if teacher_lm.tokenizer else None
+    dest = export_checkpoint(student_lm.model, out, args.format, tokenizer=tok, metadata=jsonable(meta),
+                             overwrite=args.overwrite, source=[p for p in (local_path(args.model),
+                                                                           local_path(teacher_name)) if p],
+                             extra_files={"lsq_report.json": jsonable(report)})
+    print(f"wrote {args.format} checkpoint with learned scales to {dest} (training files: {dcfg.out_dir})")
+    return 0
+
+
+def add_learn_scales(sub) -> None:
+    from ..lsq import LSQ_MODES
+
+    p = sub.add_parser("learn-scales", help="learn NVFP4 block scales by distillation from the full-precision model",
+                       description="Make the NVFP4 block scales of a quantized model trainable (LSQ, tied or dual), "
+                                   "distill from the full-precision model, export with the learned scales.")
+    p.add_argument("model", help="an NVFP4 checkpoint directory (with --teacher), or a model name / path (the "
+                                 "teacher; quantized here with RTN first)")
+    p.add_argument("--out", required=True, help="output checkpoint directory (training files: OUT.train)")
+    p.add_argument("--teacher", help="the full-precision model of a checkpoint input")
+    p.add_argument("--teacher-from-metadata", action="store_true",
+                   help="use the source model named in the checkpoint's metadata as the teacher (only a built-in "
+                        "or hub name, never a local path)")
+    p.add_argument("--mode", default="tied", choices=LSQ_MODES)
+    p.add_argument("--train", default="scales", choices=("scales", "all"), help="scales only, or weights too")
+    number(p, "--steps", int, lo=1, hi=MAX_STEPS, default=100)
+    number(p, "--lr-scales", float, lo=0.0, lo_open=True, default=DEFAULT_LR_SCALES,
+           help="Adam learning rate of the block amaxes (the value of docs/results/scale-learning.md)")
+    number(p, "--lr-weights", float, lo=0.0, default=1e-5)
+    number(p, "--temperature", float, lo=0.0, lo_open=True, default=1.0)
+    number(p, "--ce-weight", float, lo=0.0, default=0.0, help="weight of the next-token loss mixed into T^2 KL")
+    number(p, "--batch-size", int, lo=1, hi=MAX_BATCH, default=4)
+    number(p, "--grad-accum", int, lo=1, hi=MAX_BATCH, default=1)
+    p.add_argument("--data", help="training text (default: the model's calibration text)")
+    number(p, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=256, help="training windows drawn from --data")
+    number(p, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=256)
+    p.add_argument("--scale-rule", default="6", choices=("6", "4over6", "sweep"), help="RTN init (model names only)")
+    p.add_argument("--w4a4", action="store_true", help="RTN init with NVFP4 activations (model names only)")
+    add_skip_indivisible(p)
+    p.add_argument("--eval", nargs="?", const="default", help="perplexity before and after (optional source)")
+    number(p, "--max-eval-tokens", int, lo=2, hi=MAX_EVAL_TOKENS)
+    p.add_argument("--format", default="compressed-tensors", choices=checkpoint_formats())
+    number(p, "--seed", int, lo=0, hi=MAX_SEED, default=0)
+    p.add_argument("--device", default="cpu", help="device of the student and teacher (e.g. cuda; under torchrun "
+                                                   "cuda means each rank's own GPU)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the content digests of a checkpoint input (values are still checked)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT.train/latest.pt")
+    p.add_argument("--force", action="store_true",
+                   help="with --resume: continue even if the checkpoint was written with another model, teacher "
+                        "or mode")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out directory if it is a blockscale checkpoint")
+    add_common(p)
+    p.set_defaults(func=cmd_learn_scales)
+
+
+__all__ = ["DEFAULT_LR_SCALES", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]

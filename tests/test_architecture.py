@@ -1,0 +1,198 @@
+"""The package's shape, read from the source (docs/architecture.md states the same rules):
+
+- each layer imports only from the layers below it (LAYERS, lowest first), or from its own package;
+- no module imports a private (``_name``) function from a module of another package directory;
+- no import circle between modules (imports inside functions count: they are circles deferred);
+- no file over 500 lines;
+- nothing inside the package imports the root package ``blockscale``.
+
+Imports are read with ``ast`` (every ``import`` / ``from ... import`` statement, wherever it is).
+"""
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import pytest
+
+import blockscale
+
+SRC = Path(blockscale.__file__).parent
+REPO = SRC.parent.parent
+MAX_LINES = 500
+
+# Lowest first. A module may import modules of a lower layer, and modules of its own top-level package.
+# ``__main__`` modules (``python -m blockscale.X``) are command-line entry points: they sit with ``cli``.
+LAYERS = ("version", "errors", "formats", "quant", "recipes", "nn", "data", "models",
+          "eval", "train", "export", "ptq", "lsq", "cli")
+RANK = {name: i for i, name in enumerate(LAYERS)}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """{dotted module name: (file, is a package __init__)} for every .py file in the package."""
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(module: str) -> list[tuple[str, str | None, int]]:
+    """(imported blockscale module, imported name or None, line) for each import in ``module``."""
+    path, is_pkg = MODULES[module]
+    here = module.split(".") if is_pkg else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "blockscale"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+                if target.split(".")[0] != "blockscale":
+                    continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.append((sub, None, node.lineno) if sub in MODULES else (target, a.name, node.lineno))
+    return out
+
+
+IMPORTS = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str) -> str:
+    """The layer of a module: its top-level package, or the root file's name; __main__ is cli."""
+    parts = module.split(".")
+    if parts[-1] == "__main__":
+        return "cli"
+    if len(parts) == 1:
+        return "<root>"
+    return parts[1]
+
+
+def test_version_is_pyproject_version():
+    import tomllib
+
+    from blockscale.version import __version__
+
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"] == __version__
+
+
+def test_every_package_and_root_module_has_a_layer():
+    unknown = sorted({_layer(m) for m in MODULES} - set(LAYERS) - {"<root>"})
+    assert unknown == [], f"add these to LAYERS (and docs/architecture.md): {unknown}"
+    root_files = sorted(m for m in MODULES if m.count(".") == 1 and not MODULES[m][1])
+    assert root_files == ["blockscale.errors", "blockscale.version"], f"root leftovers belong in a package: {root_files}"
+
+
+def test_layers_import_only_downward():
+    bad = []
+    for m, imps in IMPORTS.items():
+        src = _layer(m)
+        if src == "<root>":
+            continue  # blockscale/__init__.py: the public API gathers every layer
+        for target, _, line in imps:
+            dst = _layer(target)
+            if dst == src:
+                continue
+            if dst == "<root>" or RANK[dst] >= RANK[src]:
+                bad.append(f"{MODULES[m][0].relative_to(SRC.parent)}:{line}: {src} imports {target} ({dst})")
+    assert bad == [], "\n".join(bad)
+
+
+def test_no_private_import_across_package_directories():
+    bad = []
+    for m, imps in IMPORTS.items():
+        here = m if MODULES[m][1] else m.rsplit(".", 1)[0]
+        for target, name, line in imps:
+            private = (name or target.rsplit(".", 1)[-1]).startswith("_") and not (name or "").startswith("__")
+            if name is None and target.rsplit(".", 1)[-1].startswith("__"):
+                private = False
+            there = target if (name is not None and MODULES.get(target, (None, False))[1]) else target.rsplit(".", 1)[0]
+            if private and there != here:
+                bad.append(f"{MODULES[m][0].relative_to(SRC.parent)}:{line}: imports {name or target} from {target}")
+    assert bad == [], "\n".join(bad)
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    graph = {m: sorted({t for t, _, _ in imps if t in MODULES and t != m}) for m, imps in IMPORTS.items()}
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    assert _cycles() == []
+
+
+def test_the_cycle_finder_finds_a_circle(monkeypatch):
+    """The check above can fail: a planted two-module circle is reported."""
+    a, b = sorted(MODULES)[1:3]
+    monkeypatch.setitem(IMPORTS, a, IMPORTS[a] + [(b, None, 0)])
+    monkeypatch.setitem(IMPORTS, b, IMPORTS[b] + [(a, None, 0)])
+    assert any({a, b} <= set(c) for c in _cycles())
+
+
+def test_nothing_imports_the_root_package():
+    bad = [f"{m}:{line}" for m, imps in IMPORTS.items() if m != "blockscale"
+           for target, _, line in imps if target == "blockscale"]
+    assert bad == []
+
+
+@pytest.mark.parametrize("folder", ["src", "tests", "benchmarks", "experiments"])
+def test_no_file_over_500_lines(folder):
+    long = {str(p.relative_to(REPO)): n for p in sorted((REPO / folder).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_public_api_is_listed_and_importable():
+    names = blockscale.__all__
+    assert len(names) == len(set(names))
+    missing = [n for n in names if not hasattr(blockscale, n)]
+    assert missing == []
+    public = {n for n in vars(blockscale) if not n.startswith("_")} - set(names)
+    public -= {n for n in public if type(getattr(blockscale, n)).__name__ == "module"}
+    assert public == set(), f"public names not in __all__: {sorted(public)}"
+
+
+def test_root_names_do_not_shadow_subpackages():
+    """``from .quant import formats`` at the root once replaced the ``blockscale.formats`` package."""
+    import types
+
+    for sub in ("formats", "quant", "recipes", "nn", "data", "models", "eval", "train", "export", "ptq", "lsq", "cli"):
+        __import__(f"blockscale.{sub}")
+        assert isinstance(getattr(blockscale, sub), types.ModuleType), sub
