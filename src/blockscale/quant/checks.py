@@ -5,7 +5,7 @@ import torch
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 OUTPUT_DTYPES = INPUT_DTYPES
-_FLOAT_NAMES = "torch.float32, torch.bfloat16, torch.float16, torch.float64"
+DTYPE_NAMES = "torch.float32, torch.bfloat16, torch.float16, torch.float64"  # INPUT_DTYPES, for messages
 FLT_MAX = torch.finfo(torch.float32).max
 
 
@@ -24,7 +24,7 @@ def check_fp32_range(x: torch.Tensor, name: str = "x") -> None:
 def check_output_dtype(dtype) -> None:
     """TypeError unless ``dtype`` is one of the floating dtypes results can be returned as."""
     if not isinstance(dtype, torch.dtype) or dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"dtype={dtype!r} is not a supported output dtype; allowed: {_FLOAT_NAMES}")
+        raise TypeError(f"dtype={dtype!r} is not a supported output dtype; allowed: {DTYPE_NAMES}")
 
 
-__all__ = ["FLT_MAX", "INPUT_DTYPES", "OUTPUT_DTYPES", "check_fp32_range", "check_output_dtype"]
+__all__ = ["DTYPE_NAMES", "FLT_MAX", "INPUT_DTYPES", "OUTPUT_DTYPES", "check_fp32_range", "check_output_dtype"]

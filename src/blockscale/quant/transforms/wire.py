@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_fp32_range
+from ..checks import DTYPE_NAMES, INPUT_DTYPES, check_fp32_range
 from ..dispatch import dequantize, fake_quantize, quantize
 from ..mx import MX
 from ..nvfp4 import NVFP4
@@ -34,8 +34,6 @@ _WIRE_SPECS = {"nvfp4": lambda seed: NVFP4(outer="row"), "mxfp8": lambda seed: M
 WIRE_PAYLOADS = ("bf16",) + tuple(_WIRE_SPECS)
 # fields of a QuantizedTensor sent after codes and scales (one FP32 per row); the rest is rebuilt
 _SENT_FIELDS = ("outer_scale",)
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FLOAT_NAMES = "torch.float32, torch.bfloat16, torch.float16, torch.float64"
 
 
 def _check_payload(payload) -> None:
@@ -89,8 +87,8 @@ def _check_x(x, payload: str) -> None:
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [tokens, d], got shape {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x has dtype {x.dtype}; allowed dtypes: {_FLOAT_NAMES}")
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; allowed dtypes: {DTYPE_NAMES}")
     _check_d(payload, x.shape[1])
     # bf16 carries NaN/inf as they are; block scales of a non-finite block would be undefined
     if payload != "bf16" and x.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(x))).all()):
@@ -102,8 +100,8 @@ def _check_x(x, payload: str) -> None:
 
 
 def _check_dtype(dtype) -> None:
-    if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; allowed values: {_FLOAT_NAMES}")
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed values: {DTYPE_NAMES}")
 
 
 def encode_rows(x: torch.Tensor, payload: str, *, seed: int = 0,
