@@ -1,5 +1,5 @@
 """Export and load errors: bad export arguments (unknown format, non-JSON metadata, no NVFP4Linear,
-mixed W4A4 / W4A16, a ModelOpt input scale that is no reciprocal fixed point), damaged checkpoints
+a ModelOpt input scale that is no reciprocal fixed point), damaged checkpoints
 (truncated or corrupt shards, missing / unexpected / mistyped tensors, inconsistent index and configs),
 the load dtype cast, and ModelOpt's S from fl(1/S). Split from test_export.py."""
 import json
@@ -32,8 +32,12 @@ def test_export_argument_errors(tmp_path):
     mixed = make_model(layers=1, act="6")
     m = mixed.model.layers[0].self_attn.o_proj
     _replace(mixed, "model.layers.0.self_attn.o_proj", NVFP4Linear.from_quantized(m.quantized_weight()))
-    with pytest.raises(ValueError, match="mixed W4A4"):
-        export_checkpoint(mixed, tmp_path / "a")
+    # W4A4 and W4A16 NVFP4 Linears together: two schemes (issue 15), written in the mixed form, exact
+    for fmt in (CT, MO):
+        out = export_checkpoint(mixed, tmp_path / f"mixed-{fmt}", fmt)
+        qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert len(qcfg["config_groups"]) == 2
+        assert torch.equal(_logits(load_checkpoint(out)), _logits(mixed))
     bad = make_model(layers=1, act="6")
     s = torch.tensor([448.0])
     while torch.equal(1.0 / (1.0 / s), s):

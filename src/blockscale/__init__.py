@@ -12,8 +12,9 @@ from .errors import BlockscaleError, CheckpointError, DataError, QuantizationErr
 from .quant import (FP8, MX, NVFP4, S2F6, TE_SIGNS_16, Format, FormatSpec, QuantizedTensor, dequantize, fake_quantize,
                     format_named, format_of, get_backend, hadamard, hadamard_matrix, inverse_hadamard,
                     quantize, random_signs, set_backend, swizzle_scales, unswizzle_scales, use_backend)
-from .recipes import LinearRecipe, Recipe, get_recipe, list_recipes, load_recipe_file, save_recipe
-from .nn import ConversionReport, NVFP4Linear, QuantizedLinear, convert, unconvert
+from .recipes import (KVCacheScheme, LinearRecipe, PTQRecipe, PTQRule, Recipe, Scheme, get_ptq_recipe, get_recipe,
+                      list_ptq_recipes, list_recipes, load_ptq_recipe_file, load_recipe_file, save_ptq_recipe, save_recipe)
+from .nn import ConversionReport, FP8Linear, MXLinear, NVFP4Linear, QuantizedLinear, convert, unconvert
 from .data import data_root
 from .models import PRESETS as MODEL_PRESETS, Llama, LlamaConfig, load_stories260k, load_tokenizer
 from .eval import PerplexityResult, perplexity
@@ -33,7 +34,10 @@ __all__ = [
     "swizzle_scales", "unswizzle_scales",
     # recipes and quantized layers (training)
     "LinearRecipe", "Recipe", "get_recipe", "list_recipes", "load_recipe_file", "save_recipe",
-    "ConversionReport", "QuantizedLinear", "convert", "unconvert", "NVFP4Linear",
+    "ConversionReport", "QuantizedLinear", "convert", "unconvert",
+    # PTQ recipes (per-module schemes, FP8 KV cache) and the quantized inference layers
+    "PTQRecipe", "PTQRule", "Scheme", "KVCacheScheme", "get_ptq_recipe", "list_ptq_recipes", "load_ptq_recipe_file",
+    "save_ptq_recipe", "NVFP4Linear", "FP8Linear", "MXLinear",
     # models and data
     "MODEL_PRESETS", "Llama", "LlamaConfig", "load_stories260k", "load_tokenizer", "data_root",
     # workflows

@@ -32,6 +32,50 @@ def resolve_recipe(value: str, flag: str = "--recipe"):
         raise UsageError(f"{prefix}{exc}") from None
 
 
+def resolve_ptq_recipe(value: str, flag: str = "--recipe"):
+    """The PTQRecipe a flag names (a built-in PTQ recipe or a YAML file, which must be a regular file);
+    a bad one is a UsageError naming the flag (one line)."""
+    from pathlib import Path
+
+    from ..recipes import get_ptq_recipe, list_ptq_recipes, list_recipes
+
+    if str(value) not in list_ptq_recipes() and not Path(value).expanduser().exists():
+        names = ", ".join(list_ptq_recipes())
+        if str(value) in list_recipes():
+            raise UsageError(f"{flag} {value}: a training recipe (blockscale train --recipe), not a PTQ recipe; PTQ "
+                             f"recipes: {names}, or a YAML file")
+        raise UsageError(f"{flag} {value}: neither a built-in PTQ recipe ({names}) nor an existing YAML file")
+    try:
+        return get_ptq_recipe(value)
+    except (ValueError, TypeError, OSError) as exc:
+        prefix = f"{flag}: " if flag.startswith("-") else ""  # the message names the file already
+        raise UsageError(f"{prefix}{' '.join(str(exc).split())}") from None
+
+
+def is_ptq_recipe_file(path) -> bool:
+    """Whether ``path`` is a YAML file holding a PTQ recipe (PTQ-only keys such as ``default`` / ``rules``
+    and none of a training recipe's); False for anything unreadable (the training loader then reports it)."""
+    from pathlib import Path
+
+    import yaml
+
+    from ..recipes.ptq_serialize import MAX_RECIPE_BYTES, RECIPE_KEYS
+
+    p = Path(path).expanduser()
+    try:
+        if not p.is_file() or p.stat().st_size > MAX_RECIPE_BYTES:
+            return False
+        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    keys = set(map(str, data))
+    return bool(keys & (set(RECIPE_KEYS) - {"name", "description"})) and not keys & {"linear", "exclude",
+                                                                                      "last_blocks_fraction",
+                                                                                      "last_blocks_recipe"}
+
+
 def parse_dtype(name: str):
     import torch
 
@@ -113,5 +157,6 @@ def add_common(p, threads: bool = True) -> None:
         number(p, "--threads", int, lo=1, hi=MAX_THREADS, help="torch CPU threads")
 
 
-__all__ = ["DEBUG_HELP", "add_common", "add_skip_indivisible", "check_eval_ctx", "checkpoint_formats", "jsonable",
-           "local_path", "parse_dtype", "resolve_recipe", "setup", "show_progress"]
+__all__ = ["DEBUG_HELP", "add_common", "add_skip_indivisible", "check_eval_ctx", "checkpoint_formats",
+           "is_ptq_recipe_file", "jsonable", "local_path", "parse_dtype", "resolve_ptq_recipe", "resolve_recipe", "setup",
+           "show_progress"]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, check_device,
                          check_model, check_out, check_product, check_run_dir, check_text, number)
-from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, jsonable, local_path, setup,
-                     show_progress)
+from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, jsonable, local_path,
+                     resolve_ptq_recipe, setup, show_progress)
 from .quantize import quantize_reported, skip_indivisible
 from ..errors import UsageError
 
@@ -69,6 +69,25 @@ def _rank_device(device: str) -> str:
     return device
 
 
+def _init_recipe(args, is_ckpt: bool):
+    """The PTQ recipe of the RTN initialisation (--recipe, with an explicit --scale-rule applied to its NVFP4
+    schemes); None without --recipe. A checkpoint input was quantized already: --recipe / --scale-rule /
+    --w4a4 are usage errors there."""
+    if is_ckpt:
+        given = [f for f, v in (("--recipe", args.recipe), ("--scale-rule", args.scale_rule), ("--w4a4", args.w4a4))
+                 if v]
+        if given:
+            raise UsageError(f"{', '.join(given)}: the input {args.model} is a quantized checkpoint already; these "
+                             "flags choose the RTN initialisation of a model name")
+        return None
+    if args.recipe is None:
+        return None
+    if args.w4a4:
+        raise UsageError("--w4a4 cannot be combined with --recipe: the recipe sets each scheme's activations")
+    recipe = resolve_ptq_recipe(args.recipe)
+    return recipe.with_nvfp4(scale_rule=args.scale_rule) if args.scale_rule else recipe
+
+
 def cmd_learn_scales(args) -> int:
     import copy
 
@@ -89,6 +108,7 @@ def cmd_learn_scales(args) -> int:
         check_text(args.eval, "--eval")
     path = Path(args.model)
     is_ckpt = path.is_dir() and is_blockscale_checkpoint(path)
+    recipe = _init_recipe(args, is_ckpt)
     teacher_name = resolve_teacher(args, path) if is_ckpt else args.model
     out = check_out(args.out, overwrite=args.overwrite, sources=[local_path(args.model), local_path(teacher_name)])
     train_dir = check_run_dir(str(out) + ".train", "--out")
@@ -101,7 +121,9 @@ def cmd_learn_scales(args) -> int:
         teacher_lm = load_model(args.model, device=device)
         student_lm = copy.copy(teacher_lm)
         student_lm.model = copy.deepcopy(teacher_lm.model)
-        cfg = PTQConfig(method="rtn", scale_rule=args.scale_rule, activations="w4a4" if args.w4a4 else "w4a16",
+        flat = {} if recipe is not None else dict(scale_rule=args.scale_rule or "6",
+                                                  activations="w4a4" if args.w4a4 else "w4a16")
+        cfg = PTQConfig(method="rtn", recipe=recipe, **flat,
                         skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
                         n_samples=args.n_samples, seq_len=args.seq_len)
         ptq_report = quantize_reported("blockscale learn-scales", lambda: calibrate_and_quantize(
@@ -126,7 +148,9 @@ def cmd_learn_scales(args) -> int:
                              temperature=args.temperature, ce_weight=args.ce_weight, seed=args.seed,
                              out_dir=str(train_dir))
     record = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train,
-              "scale_rule": None if is_ckpt else args.scale_rule, "w4a4": None if is_ckpt else args.w4a4}
+              "scale_rule": None if is_ckpt else (args.scale_rule or "6"), "w4a4": None if is_ckpt else args.w4a4}
+    if recipe is not None:  # (absent otherwise, so older run directories still resume)
+        record["recipe"] = recipe.name
     report = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train, "ptq": ptq_report}
     evals = {}
 
@@ -187,7 +211,10 @@ def add_learn_scales(sub) -> None:
     p.add_argument("--data", help="training text (default: the model's calibration text)")
     number(p, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=256, help="training windows drawn from --data")
     number(p, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=256)
-    p.add_argument("--scale-rule", default="6", choices=("6", "4over6", "sweep"), help="RTN init (model names only)")
+    p.add_argument("--scale-rule", default=None, choices=("6", "4over6", "sweep"),
+                   help="RTN init (model names only; default 6; with --recipe: its NVFP4 schemes' rule)")
+    p.add_argument("--recipe", help="RTN init with a PTQ recipe (model names only): a built-in name (blockscale "
+                                    "recipes --ptq) or a YAML file; only its NVFP4 modules learn their scales")
     p.add_argument("--w4a4", action="store_true", help="RTN init with NVFP4 activations (model names only)")
     add_skip_indivisible(p)
     p.add_argument("--eval", nargs="?", const="default", help="perplexity before and after (optional source)")

@@ -15,8 +15,9 @@ from ..version import __version__
 from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, MAX_THREADS,
                          check_device, check_int, check_model, check_numbers, check_out, check_product, check_run_dir,
                          check_text, number)
-from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, jsonable,
-                     local_path, parse_dtype, resolve_recipe, setup, show_progress)
+from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats,
+                     is_ptq_recipe_file, jsonable, local_path, parse_dtype, resolve_ptq_recipe, resolve_recipe, setup,
+                     show_progress)
 from .reporting import ArgumentParser, run_reported, warn
 from .quantize import add_method_flags, method_names, method_options, quantize_reported, skip_indivisible
 from ..errors import UsageError
@@ -38,14 +39,48 @@ def _cmd_formats(args) -> int:
 def _cmd_recipes(args) -> int:
     import yaml
 
-    from ..recipes import get_recipe, list_recipes, recipe_to_dict
+    from ..recipes import get_ptq_recipe, get_recipe, list_ptq_recipes, list_recipes, ptq_recipe_to_dict, recipe_to_dict
 
     if args.name is None:
-        for name in list_recipes():
-            print(f"{name:22s} {get_recipe(name).description}")
+        if not args.ptq:
+            print("training recipes (blockscale train --recipe NAME):")
+            for name in list_recipes():
+                print(f"  {name:28s} {get_recipe(name).description}")
+            print()
+        print("PTQ recipes (blockscale quantize --recipe NAME; blockscale recipes --ptq NAME prints one whose name "
+              "a training recipe also has):")
+        for name in list_ptq_recipes():
+            print(f"  {name:28s} {get_ptq_recipe(name).description}")
         return 0
-    print(yaml.safe_dump(recipe_to_dict(resolve_recipe(args.name, "NAME")), sort_keys=False), end="")
+    name = str(args.name)
+    ptq = args.ptq or (name not in list_recipes() and (name in list_ptq_recipes() or is_ptq_recipe_file(name)))
+    if not ptq and name not in list_recipes() and not local_path(name):
+        raise UsageError(f"NAME {name}: neither a built-in training recipe ({', '.join(list_recipes())}), a PTQ "
+                         f"recipe ({', '.join(list_ptq_recipes())}) nor an existing YAML file")
+    d = ptq_recipe_to_dict(resolve_ptq_recipe(name, "NAME")) if ptq else recipe_to_dict(resolve_recipe(name, "NAME"))
+    print(yaml.safe_dump(d, sort_keys=False), end="")
     return 0
+
+
+def _quantize_recipe(args):
+    """The PTQ recipe of --recipe (None without it), with --scale-rule / --error / --act-scale-rule set on
+    its NVFP4 schemes and --exclude added to its ignore list; refused with --w4a4 / --weights-only."""
+    if args.recipe is None:
+        return None
+    for flag in ("w4a4", "weights_only"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag.replace('_', '-')} cannot be combined with --recipe: the recipe sets each "
+                             "scheme's activations")
+    recipe = resolve_ptq_recipe(args.recipe)
+    for key in ("scale_rule", "error", "act_scale_rule"):
+        value = getattr(args, key)
+        if value is not None:
+            try:
+                recipe = recipe.with_nvfp4(**{key: value})
+            except UsageError as exc:
+                raise UsageError(f"--{key.replace('_', '-')} {value}: {exc}") from None
+    extra = tuple(p for p in args.exclude or () if p not in recipe.ignore)
+    return recipe.replace(ignore=recipe.ignore + extra) if extra else recipe
 
 
 def _check_max_shard_size(value) -> None:
@@ -95,10 +130,12 @@ def _cmd_quantize(args) -> int:
     from ..ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, record_dict
 
     src = _check_quantize(args)
+    recipe = _quantize_recipe(args)
     defaults = default_texts(args.model)
-    cfg = PTQConfig(method=args.method, scale_rule=args.scale_rule, error=args.error,
-                    activations="w4a4" if args.w4a4 else "w4a16", act_scale_rule=args.act_scale_rule,
-                    exclude=tuple(DEFAULT_EXCLUDE) + tuple(args.exclude or ()),
+    flat = {} if recipe is not None else dict(
+        scale_rule=args.scale_rule or "6", error=args.error or "mse", activations="w4a4" if args.w4a4 else "w4a16",
+        act_scale_rule=args.act_scale_rule or "6", exclude=tuple(DEFAULT_EXCLUDE) + tuple(args.exclude or ()))
+    cfg = PTQConfig(method=args.method, recipe=recipe, **flat,
                     skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
                     allow_partial=args.allow_partial, n_samples=args.n_samples, seq_len=args.seq_len,
                     batch_size=args.batch_size, seed=args.seed, options=method_options(args, args.method))
@@ -106,7 +143,8 @@ def _cmd_quantize(args) -> int:
     print(f"loading {args.model} ...", flush=True)
     lm = load_model(args.model, dtype=parse_dtype(args.dtype))
     if cfg.needs_calibration and lm.tokenizer is None:
-        raise UsageError(f"--method {args.method}{' with --w4a4' if args.w4a4 else ''} calibrates on text, but "
+        how = f" with --recipe {recipe.name}" if recipe is not None else (" with --w4a4" if args.w4a4 else "")
+        raise UsageError(f"--method {args.method}{how} calibrates on text, but "
                          f"{args.model} has no tokenizer (save one next to the weights, or use --method rtn)")
     calib = args.calib or defaults.calib
     report = quantize_reported(
@@ -131,6 +169,11 @@ def _cmd_quantize(args) -> int:
     n_q = len(report.linears)
     print(f"quantized {n_q} linear layers ({cfg.label}) in {report.seconds:.1f} s; kept in high precision: "
           f"{', '.join(report.kept_high_precision) or 'none'}")
+    schemes = {r.name: r.scheme for r in report.linears if getattr(r, "scheme", "")}
+    if recipe is not None and schemes:
+        from ..ptq.scheme_plan import describe_assignment
+
+        print("schemes: " + "; ".join(describe_assignment(schemes)))
     print(f"wrote {args.format} checkpoint to {path} (report: {Path(path) / 'ptq_report.json'})")
     print(f"{size_breakdown(path)}; unquantized tensors are {args.dtype} (--dtype)")
     return 0
@@ -206,19 +249,27 @@ def _add_demo(sub) -> None:
 
 
 def _add_quantize(sub) -> None:
-    q = sub.add_parser("quantize", help="post-training quantize a causal LM to NVFP4 and export a checkpoint",
-                       description="Quantize every Linear of a causal LM's decoder layers to NVFP4 (layer by "
-                                   "layer), optionally evaluate, and write a checkpoint vLLM / SGLang / TensorRT-LLM load.")
+    q = sub.add_parser("quantize", help="post-training quantize a causal LM to NVFP4 (or a PTQ recipe's mix of "
+                                        "NVFP4 / FP8 / MX) and export a checkpoint",
+                       description="Quantize every Linear of a causal LM's decoder layers to NVFP4, or each with "
+                                   "its scheme under --recipe (layer by layer), optionally evaluate, and write a "
+                                   "checkpoint vLLM / SGLang / TensorRT-LLM load.")
     q.add_argument("model", help="stories260k | smollm2-135m | a .gguf file | a local transformers directory | a hub name")
     q.add_argument("--out", required=True, help="output directory (written atomically; never the model's own)")
     q.add_argument("--format", default="compressed-tensors", choices=checkpoint_formats())
     q.add_argument("--method", default="rtn", choices=method_names(), help="PTQ method (its options: below)")
-    q.add_argument("--scale-rule", default="6", choices=("6", "4over6", "sweep"), help="weight block scale rule")
-    q.add_argument("--error", default="mse", choices=("mse", "mae", "maxabs"), help="4/6 block error")
+    q.add_argument("--recipe", metavar="NAME|FILE.yaml",
+                   help="PTQ recipe: a scheme per module (NVFP4 / FP8 / MX / bf16) and optionally an FP8 KV cache; a "
+                        "built-in (blockscale recipes lists them) or a YAML file. With it, the scale rule / error / "
+                        "activation scale rule flags set every NVFP4 scheme's options and exclude patterns add to "
+                        "its ignore list")
+    q.add_argument("--scale-rule", choices=("6", "4over6", "sweep"), help="NVFP4 weight block scale rule (default 6)")
+    q.add_argument("--error", choices=("mse", "mae", "maxabs"), help="4/6 block error (default mse)")
     act = q.add_mutually_exclusive_group()
-    act.add_argument("--weights-only", action="store_true", help="W4A16 (default)")
-    act.add_argument("--w4a4", action="store_true", help="also NVFP4 activations (calibrated outer scale)")
-    q.add_argument("--act-scale-rule", default="6", choices=("6", "4over6"), help="W4A4 activation scale rule")
+    act.add_argument("--weights-only", action="store_true", help="W4A16 (default; not with --recipe)")
+    act.add_argument("--w4a4", action="store_true",
+                     help="also NVFP4 activations (calibrated outer scale; not with --recipe)")
+    q.add_argument("--act-scale-rule", choices=("6", "4over6"), help="W4A4 activation scale rule (default 6)")
     q.add_argument("--calib", help="calibration text: built-in name (c4, wikitext2, tinystories, tinyshakespeare), "
                                    ".txt/.jsonl file, or hf:DATASET[,CONFIG][:SPLIT]; default depends on the model")
     q.add_argument("--calib-bos", action="store_true", help="start every calibration window with BOS")
@@ -293,8 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     number(d, "--repeats", int, lo=1, hi=1000, default=3, help="timed repeats per format (best reported)")
     add_common(d, threads=False)
     d.set_defaults(func=_cmd_formats)
-    r = sub.add_parser("recipes", help="list the built-in training recipes, or print one as YAML")
-    r.add_argument("name", nargs="?", help="a built-in recipe name or a recipe YAML file")
+    r = sub.add_parser("recipes", help="list the built-in training and PTQ recipes, or print one as YAML")
+    r.add_argument("name", nargs="?", help="a built-in recipe name or a recipe YAML file (training or PTQ)")
+    r.add_argument("--ptq", action="store_true",
+                   help="the PTQ recipe of that name (where a training recipe has the same name); alone: list only "
+                        "the PTQ recipes")
     add_common(r, threads=False)
     r.set_defaults(func=_cmd_recipes)
     sub.add_parser("train", help="pretrain a small Llama (all options: blockscale train --help)", add_help=False)

@@ -24,6 +24,7 @@ from ..ptq.methods import METHODS, get_method
 from ..ptq.options import OptionError, flag_suffix, option_fields
 
 INDIVISIBLE_NOTE = "is not a multiple of 16: kept in high precision"
+_INDIVISIBLE = re.compile(r"is not a multiple of (\d+): kept in high precision")  # 16 NVFP4, 32 MX schemes
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -99,12 +100,13 @@ def group_names(names) -> str:
 
 def quantize_reported(prog: str, run: Callable, *, defaulted: bool):
     """``run()`` (a PTQ call returning a ``PTQReport``) with the warnings about Linears kept in high
-    precision because ``in_features % 16 != 0`` folded into one ``<prog>: warning:`` line; every other
+    precision because ``in_features`` is not whole blocks of their scheme (16 NVFP4, 32 MX) folded into one ``<prog>: warning:`` line; every other
     warning is passed on (``defaulted``: the skip came from the built-in default, which the line says)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = run()
-    skipped = [w.split(":", 1)[0] for w in report.warnings if INDIVISIBLE_NOTE in w]
+    skipped = [w.split(":", 1)[0] for w in report.warnings if _INDIVISIBLE.search(w)]
+    blocks = sorted({int(m.group(1)) for m in map(_INDIVISIBLE.search, report.warnings) if m})
     folded = set(skipped)
     for w in caught:
         msg = str(w.message)
@@ -118,7 +120,8 @@ def quantize_reported(prog: str, run: Callable, *, defaulted: bool):
         share = 100 * report.high_precision_fraction
         how = ("skipped by default for built-in models; --no-skip-indivisible makes it an error" if defaulted
                else "--skip-indivisible")
-        warn(prog, f"kept {len(skipped)} Linear(s) in high precision because in_features is not a multiple of 16: "
+        warn(prog, f"kept {len(skipped)} Linear(s) in high precision because in_features is not a multiple of "
+                   f"{' / '.join(map(str, blocks))}: "
                    f"{group_names(skipped)} ({share:.1f}% of the decoder weight elements; {how}; listed in the "
                    "report)")
     return report

@@ -1,11 +1,11 @@
-"""export_checkpoint: write an NVFP4-quantized Hugging Face model as a checkpoint serving engines load."""
+"""export_checkpoint: write a quantized Hugging Face model (NVFP4 / FP8 / MX Linears, FP8 KV-cache
+scales) as a checkpoint serving engines load."""
 from __future__ import annotations
 
 import copy
 import datetime
 import json
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Optional, Union
 
@@ -14,8 +14,11 @@ from torch import nn
 
 from ..nn.coverage import weight_coverage
 from ..nn.nvfp4_linear import NVFP4Linear
+from . import mixed_export
 from .common import CONFIG_FILE, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype
 from .destination import atomic_directory, check_output, written_by_export
+from .module_checks import activation_meta, check_nvfp4_module, kv_modules
+from .module_schemes import quantized_modules, scheme_of
 from .registry import CheckpointFormat, format_named
 from .shared_scales import check_group_membership, check_shared_scales, sibling_groups
 from .writer import parse_size, write_json, write_safetensors
@@ -86,49 +89,18 @@ def _high_precision(model: nn.Module) -> tuple[list[str], dict, dict]:
     return ignore, entries, counts
 
 
-def _check_module(name: str, m: NVFP4Linear) -> None:
-    N, K = m.out_features, m.in_features
-    want = {"weight_packed": (torch.uint8, (N, K // 2)), "weight_scale": (torch.float8_e4m3fn, (N, K // 16)),
-            "weight_global_scale": (torch.float32, (1,))}
-    if m.input_global_scale is not None:
-        want["input_global_scale"] = (torch.float32, (1,))
-    for buf, (dt, shape) in want.items():
-        t = getattr(m, buf)
-        if t.dtype != dt or tuple(t.shape) != shape:
-            raise ValueError(f"{name}.{buf}: {t.dtype} {tuple(t.shape)}, expected {dt} {shape}")
-    for buf in ("weight_global_scale", "input_global_scale"):
-        t = getattr(m, buf)
-        if t is not None and not (bool(torch.isfinite(t).all()) and float(t.reshape(-1)[0]) > 0):
-            raise ValueError(f"{name}.{buf}={float(t.reshape(-1)[0])!r}: outer scales must be positive and finite")
-    if m.bias is not None and tuple(m.bias.shape) != (N,):
-        raise ValueError(f"{name}.bias: shape {tuple(m.bias.shape)}, expected ({N},)")
-
-
 def _collect(model: nn.Module):
-    quantized: dict[str, NVFP4Linear] = {}
+    """(quantized Linears: NVFP4Linear / FP8Linear / MXLinear, high-precision Linear names, all Linear names)."""
+    quantized = quantized_modules(model)
     high: list[str] = []
     linears: list[str] = []
     for name, m in model.named_modules():
-        if isinstance(m, NVFP4Linear):
-            quantized[name] = m
+        if name in quantized:
             linears.append(name)
         elif isinstance(m, nn.Linear):
             high.append(name)
             linears.append(name)
     return quantized, high, linears
-
-
-def _activation_meta(quantized: dict[str, NVFP4Linear]) -> dict:
-    rules = {n: m.input_scale_rule for n, m in quantized.items()}
-    errors = {n: m.input_error for n, m in quantized.items()}
-    rule = Counter(rules.values()).most_common(1)[0][0]
-    err = Counter(errors.values()).most_common(1)[0][0]
-    meta = {"input_scale_rule": rule, "input_error": err}
-    over = {n: {"input_scale_rule": rules[n], "input_error": errors[n]}
-            for n in quantized if rules[n] != rule or errors[n] != err}
-    if over:
-        meta["input_overrides"] = over
-    return meta
 
 
 def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt: CheckpointFormat) -> dict[str, torch.Tensor]:
@@ -166,16 +138,50 @@ def _config_json(model: nn.Module, dtype: torch.dtype, qcfg: dict) -> dict:
     return d
 
 
+def _check_nvfp4(nvfp4: dict, linears: list, fmt: CheckpointFormat, plain: bool) -> bool:
+    """The NVFP4 Linears' checks (ValueError); returns whether they are W4A4. ``plain``: the model is
+    all-NVFP4 (fused-group membership and shared scales checked here; else ``mixed_export.plan``)."""
+    for name, m in nvfp4.items():
+        check_nvfp4_module(name, m)
+    w4a4_of = {n: m.input_global_scale is not None for n, m in nvfp4.items()}
+    w4a4 = bool(nvfp4) and next(iter(w4a4_of.values()))
+    if not plain:  # (W4A4 and W4A16 NVFP4 Linears together are two schemes: the mixed form)
+        return w4a4
+    check_group_membership(set(nvfp4), linears)
+    groups = sibling_groups(list(nvfp4))
+    check_shared_scales({n: m.weight_global_scale for n, m in nvfp4.items()},
+                        "weight_global_scale (weight encode scale S)", groups)
+    if w4a4:
+        check_shared_scales({n: m.input_global_scale for n, m in nvfp4.items()},
+                            "input_global_scale (activation encode scale)", groups,
+                            " For activations: calibrate the group on its shared input (one amax).")
+    for n, m in nvfp4.items():
+        fmt.check_module(n, m)
+    return w4a4
+
+
 def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str = "compressed-tensors", *,
                       tokenizer=None, max_shard_size: Union[int, str] = "2GB", metadata: Optional[dict] = None,
                       overwrite: bool = False, source=None, extra_files: Optional[dict] = None) -> Path:
-    """Write ``model`` (a transformers causal LM whose quantized Linears are ``NVFP4Linear``) to ``out_dir``.
+    """Write ``model`` (a transformers causal LM whose quantized Linears are ``NVFP4Linear``, ``FP8Linear``
+    or ``MXLinear``, optionally with FP8 KV-cache scales ``attn.k_scale`` / ``attn.v_scale``) to ``out_dir``.
+
+    An all-NVFP4 model without KV scales is written in the format's single-scheme form (one config
+    group targeting ``Linear``; ModelOpt ``NVFP4`` / ``W4A16_NVFP4``). Anything else goes through the
+    format's ``MixedFormat`` (``mixed_export``): compressed-tensors one config group per scheme
+    (targets: exact module names when there are several; ``format: "mixed-precision"`` when their
+    formats differ) + ``kv_cache_scheme`` and ``<attn>.k_scale`` / ``<attn>.v_scale``; ModelOpt
+    ``MIXED_PRECISION`` + ``quantized_layers`` when schemes differ, ``kv_cache_quant_algo: "FP8"`` and
+    ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale``; a scheme ModelOpt has no quant_algo for
+    (fp8-block, MXFP4, ...) is a ValueError naming the module. NVFP4 W4A4 and W4A16 Linears in one
+    model are two schemes (two config groups / ``NVFP4`` and ``W4A16_NVFP4`` layers). ``quantization_config.blockscale`` records what the configs cannot
+    say (NVFP4 activation rules, MX activation scale rules, the KV-cache granularity).
 
     format: "compressed-tensors" (``nvfp4-pack-quantized``; vLLM / SGLang / TensorRT-LLM) or "modelopt"
       (ModelOpt unified HF checkpoint, ``modelopt_fp4``). Both store the same packed codes and E4M3 block
       scales; compressed-tensors stores the encode scale S, ModelOpt its reciprocal fl(1/S). Any format
       registered in ``export.registry`` (``export.FORMATS``, with its aliases) is accepted.
-    Every module holding floating-point weight matrices (>= 2 dims) that are not NVFP4 (other
+    Every module holding floating-point weight matrices (>= 2 dims) that are not quantized (other
     ``nn.Linear``, fused 3-D MoE experts, routers) is written in high precision and listed in
     ``ignore`` / ``exclude_modules`` (embeddings are not listed: no engine quantizes them); the report
     lists all of them with element counts and ``quantization_config.blockscale.high_precision_fraction``
@@ -185,7 +191,8 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     config.json's ``dtype`` is bfloat16, the dtype compressed-tensors' runtime decompresses to, so plain
     ``AutoModelForCausalLM.from_pretrained(dir)`` runs (in bf16); ModelOpt's keeps the model dtype.
     config.json's ``use_cache`` is the model's own (``models.hf.load_model`` turns it off for evaluation).
-    Fused siblings (q/k/v, gate/up, w1/w3) must share one outer scale (ValueError otherwise).
+    Fused siblings (q/k/v, gate/up, w1/w3) must have one scheme and share one outer scale (NVFP4),
+    per-tensor weight scale and static input scale (FP8) (ValueError otherwise).
     Files: safetensors (sharded above ``max_shard_size`` with ``model.safetensors.index.json``),
     config.json (+ ``quantization_config``), generation_config.json, tokenizer files (if ``tokenizer``),
     the format's side files (ModelOpt: hf_quant_config.json), ``extra_files``, blockscale_report.json; each with mode
@@ -211,45 +218,52 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
 
     quantized, high, linears = _collect(model)
     if not quantized:
-        raise ValueError("the model has no NVFP4Linear modules: nothing to export as an NVFP4 checkpoint "
-                         "(quantize it first, e.g. with blockscale.ptq.quantize_model)")
+        raise ValueError("the model has no NVFP4Linear / FP8Linear / MXLinear modules: nothing to export as a "
+                         "quantized checkpoint (quantize it first, e.g. with blockscale.ptq.quantize_model)")
     ignore, high_modules, elements = _high_precision(model)
-    for name, m in quantized.items():
-        _check_module(name, m)
-    w4a4_of = {n: m.input_global_scale is not None for n, m in quantized.items()}
-    if len(set(w4a4_of.values())) > 1:
-        a4 = [n for n, v in w4a4_of.items() if v][:3]
-        a16 = [n for n, v in w4a4_of.items() if not v][:3]
-        raise ValueError(f"mixed W4A4 ({a4}...) and W4A16 ({a16}...) NVFP4Linear modules: a checkpoint holds one "
-                         "activation scheme for all quantized Linears")
-    w4a4 = next(iter(w4a4_of.values()))
-    check_group_membership(set(quantized), linears)
+    schemes = {n: scheme_of(m) for n, m in quantized.items()}
+    nvfp4 = {n: m for n, m in quantized.items() if schemes[n].is_nvfp4}
+    kv = kv_modules(model)
+    one_nvfp4 = len({m.input_global_scale is not None for m in nvfp4.values()}) <= 1
+    plain = len(nvfp4) == len(quantized) and one_nvfp4 and not kv  # today's all-NVFP4 form, byte for byte
+    w4a4 = _check_nvfp4(nvfp4, linears, fmt, plain=plain)
+    mixed = None if plain else mixed_export.plan(model, fmt, quantized, schemes, kv, linears)
     groups = sibling_groups(list(quantized))
-    check_shared_scales({n: m.weight_global_scale for n, m in quantized.items()},
-                        "weight_global_scale (weight encode scale S)", groups)
-    if w4a4:
-        check_shared_scales({n: m.input_global_scale for n, m in quantized.items()},
-                            "input_global_scale (activation encode scale)", groups,
-                            " For activations: calibrate the group on its shared input (one amax).")
-    for n, m in quantized.items():
-        fmt.check_module(n, m)
 
     version = blockscale_version()
     dtype = model_dtype(model)
     producer = {"name": PRODUCER, "version": version}
-    bs_meta = {"version": version, "format": fmt_name, "scheme": "NVFP4" if w4a4 else "NVFP4A16",
-               "activations": "W4A4" if w4a4 else "W4A16", "tensor_digests": "sha256",
-               "dtype": str(dtype).removeprefix("torch.")}
-    if w4a4:
-        bs_meta.update(_activation_meta(quantized))
+    if mixed is None:
+        bs_meta = {"version": version, "format": fmt_name, "scheme": "NVFP4" if w4a4 else "NVFP4A16",
+                   "activations": "W4A4" if w4a4 else "W4A16", "tensor_digests": "sha256",
+                   "dtype": str(dtype).removeprefix("torch.")}
+        if w4a4:
+            bs_meta.update(activation_meta(quantized))
+    else:
+        bs_meta = {"version": version, "format": fmt_name, **mixed_export.blockscale_meta(mixed, quantized),
+                   "tensor_digests": "sha256", "dtype": str(dtype).removeprefix("torch.")}
     bs_meta["high_precision_fraction"] = elements["high_precision_fraction"]
     if "method" in user_meta:
         bs_meta["method"] = user_meta["method"]
     if user_meta:
         bs_meta["metadata"] = user_meta
-    qcfg = fmt.quantization_config(w4a4, ignore, producer, bs_meta)
+    if mixed is None:
+        qcfg = fmt.quantization_config(w4a4, ignore, producer, bs_meta)
+        side = fmt.side_files(w4a4, ignore, producer)
+        tensors = _tensors(model, quantized, fmt)
+        modules = {n: {"shape": [m.out_features, m.in_features], "bias": m.bias is not None,
+                       "weight_global_scale": float(m.weight_global_scale.reshape(-1)[0]),
+                       **({"input_global_scale": float(m.input_global_scale.reshape(-1)[0]),
+                           "input_scale_rule": m.input_scale_rule, "input_error": m.input_error} if w4a4 else {})}
+                   for n, m in quantized.items()}
+        bits = _bits(quantized)
+    else:
+        qcfg = fmt.mixed.quantization_config(schemes, ignore, producer, bs_meta, mixed.kv_granularity)
+        side = fmt.mixed.side_files(schemes, ignore, producer, mixed.kv_granularity)
+        tensors = mixed_export.tensors(model, mixed, quantized, fmt)
+        modules = {n: mixed_export.report_entry(m, schemes[n]) for n, m in quantized.items()}
+        bits = mixed_export.bits_per_weight(quantized)
     config_json = _config_json(model, fmt.serving_dtype or dtype, qcfg)
-    tensors = _tensors(model, quantized, fmt)
 
     with atomic_directory(out_dir, overwrite) as tmp:
         info = write_safetensors(tmp, tensors, shard_bytes, config=config_json)
@@ -257,7 +271,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         gen = getattr(model, "generation_config", None)
         if gen is not None and getattr(model, "can_generate", lambda: False)():
             gen.save_pretrained(str(tmp))
-        for name, obj in fmt.side_files(w4a4, ignore, producer).items():
+        for name, obj in side.items():
             write_json(tmp / name, obj)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
@@ -271,20 +285,16 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
             "format": fmt_name,
             "quantization": bs_meta,
             "model": {"architecture": type(model).__name__, "dtype": str(dtype).removeprefix("torch.")},
-            "quantized_modules": {
-                n: {"shape": [m.out_features, m.in_features], "bias": m.bias is not None,
-                    "weight_global_scale": float(m.weight_global_scale.reshape(-1)[0]),
-                    **({"input_global_scale": float(m.input_global_scale.reshape(-1)[0]),
-                        "input_scale_rule": m.input_scale_rule, "input_error": m.input_error} if w4a4 else {})}
-                for n, m in quantized.items()},
+            "quantized_modules": modules,
             "high_precision_linears": high,
             "high_precision_modules": high_modules,
             "weight_elements": elements,
             "fused_groups": groups,
+            **({"kv_cache_scales": mixed_export.kv_report(mixed)} if mixed is not None and mixed.kv else {}),
             "files": info["files"],
             "tensors": len(tensors),
             "total_size": info["total_size"],
-            "bits_per_quantized_weight": _bits(quantized),
+            "bits_per_quantized_weight": bits,
             "written_files": sorted({*(f.name for f in tmp.iterdir() if f.is_file()), REPORT_FILE}),
         }
         write_json(tmp / REPORT_FILE, report)

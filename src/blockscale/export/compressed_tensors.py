@@ -6,6 +6,7 @@ Per quantized Linear ``<m>``: ``<m>.weight_packed`` uint8 [N, K/2] (element 2i i
 scale S (x^ = q * s / S), and for W4A4 ``<m>.input_global_scale`` fp32 [1] (activation encode scale).
 config.json ``quantization_config`` follows compressed-tensors' ``QuantizationConfig`` schema as
 dumped by ``ModelCompressor.update_config`` (release 0.20.1) for the NVFP4 / NVFP4A16 presets.
+FP8 / MX Linears, several schemes and FP8 KV-cache scales: ``ct_schemes`` (the format's ``mixed``).
 """
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from typing import Mapping, Optional
 import torch
 
 from . import schema
+from .ct_schemes import MIXED_FORMAT, QUANT_METHOD, SCHEMA_VERSION, config_document
 from .registry import CheckpointFormat, LayerTensors, QuantScheme, register
 
 NAME = "compressed-tensors"
-QUANT_METHOD = "compressed-tensors"
 PACK_FORMAT = "nvfp4-pack-quantized"
-SCHEMA_VERSION = "0.20.1"  # the compressed-tensors release whose config layout this mirrors
 GROUP_SIZE = 16
 SCALE_DTYPE = "torch.float8_e4m3fn"
 
@@ -47,20 +47,7 @@ def quantization_config(w4a4: bool, ignore: list[str], producer: dict, blockscal
         "output_activations": None,
         "format": PACK_FORMAT,
     }
-    return {
-        "config_groups": {"group_0": group},
-        "format": PACK_FORMAT,
-        "global_compression_ratio": None,
-        "ignore": list(ignore),
-        "kv_cache_scheme": None,
-        "moe_sparsity_config": None,
-        "quant_method": QUANT_METHOD,
-        "quantization_status": "compressed",
-        "sparsity_config": {},
-        "transform_config": {},
-        "version": SCHEMA_VERSION,
-        "blockscale": blockscale,
-    }
+    return config_document({"group_0": group}, PACK_FORMAT, ignore, None, blockscale)
 
 
 def export_tensor(suffix: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -163,6 +150,6 @@ FORMAT = register(CheckpointFormat(
     name=NAME, quant_method=QUANT_METHOD, aliases=("compressed_tensors", PACK_FORMAT, "ct"), tensor_names=RENAME,
     quantization_config=quantization_config, export_tensor=export_tensor, detects=detects, parse_config=parse_config,
     expected_tensors=expected_tensors, read_layer=read_layer, decode_scale=decode_scale,
-    serving_dtype=torch.bfloat16, detection=f"quant_method {QUANT_METHOD!r}"))
+    serving_dtype=torch.bfloat16, detection=f"quant_method {QUANT_METHOD!r}", mixed=MIXED_FORMAT))
 
 __all__ = ["FORMAT", "NAME", "PACK_FORMAT", "quantization_config", "parse_config", "expected_tensors", "read_layer"]

@@ -1,9 +1,11 @@
-"""load_checkpoint / checkpoint_format: read an NVFP4 checkpoint back into a transformers model whose
-quantized Linears are ``NVFP4Linear`` (logits equal the exported model's bit for bit).
+"""load_checkpoint / checkpoint_format: read a quantized checkpoint back into a transformers model whose
+quantized Linears are ``NVFP4Linear`` / ``FP8Linear`` / ``MXLinear`` with the checkpoint's FP8
+KV-cache scales (logits equal the exported model's bit for bit).
 
 Which format a checkpoint is comes from the one detector (``models.checkpoint_detection``, fed by the
 registered formats); everything format-specific (config parsing, tensor names, reading a layer, the
-decode scale) is a field of its ``CheckpointFormat`` (``registry``), so nothing here names a format.
+decode scale; FP8 / MX / KV layouts in its ``MixedFormat``) is a field of its ``CheckpointFormat``
+(``registry``), so nothing here names a format. The plan and the checks: ``load_plan``.
 
 A checkpoint is untrusted input. In order, before anything is allocated: every file read resolves
 inside the directory (``files``); config fields are type-checked and bounded (``schema``, the format's
@@ -16,8 +18,6 @@ siblings' scales compared (``validate``), and the SHA-256 digests our exports re
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -26,14 +26,14 @@ from torch import nn
 
 from ..errors import UsageError
 from ..models.checkpoint_detection import detected_format, file_inside
-from ..nn.nvfp4_linear import NVFP4Linear
+from ..nn.kv_cache import set_kv_scales
 from . import schema
-from .common import FORMATS, CheckpointError, drop_shared, tied_targets
+from .common import FORMATS, CheckpointError, drop_shared
 from .files import Shards, checkpoint_dir, inside, read_json
-from .registry import CheckpointFormat, QuantScheme
-from .shared_scales import check_shared_scales, sibling_groups
-from .validate import (check_block_scales, check_decode_range, check_finite, check_model_bytes, check_outer_scale,
-                       check_sizes, verify_digests)
+from .load_plan import Plan, build_plan, check_plan, check_values
+from .module_schemes import ModuleScheme, build_module
+from .registry import CheckpointFormat, ParsedConfig
+from .validate import check_model_bytes, check_sizes, verify_digests
 
 CONFIG_FILE = "config.json"
 LOAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -71,12 +71,20 @@ def _side_files(root: Path, fmt: CheckpointFormat) -> dict[str, dict]:
     return out
 
 
-def _quant_spec(root: Path, fmt: CheckpointFormat, cfg: dict) -> tuple[QuantScheme, dict]:
-    """(the scheme from the format's parse_config, checked quantization_config.blockscale section)."""
+def _nvfp4_only(fmt: CheckpointFormat, inline, side) -> ParsedConfig:
+    """A format without ``mixed``: its ``parse_config`` (every quantized Linear NVFP4, one scheme)."""
+    spec = fmt.parse_config(inline, side)
+    s = ModuleScheme("nvfp4", "nvfp4", "nvfp4" if spec.w4a4 else None)
+    return ParsedConfig(scheme_of=lambda name: s if spec.quantizes(name) else None)
+
+
+def _quant_spec(root: Path, fmt: CheckpointFormat, cfg: dict) -> tuple[ParsedConfig, dict]:
+    """(the per-module schemes the format's configs give, checked quantization_config.blockscale section)."""
     inline = cfg.get("quantization_config")
     try:
-        spec = fmt.parse_config(inline, _side_files(root, fmt))
-        return spec, schema.blockscale_section(inline)
+        side = _side_files(root, fmt)
+        parsed = fmt.mixed.parse(inline, side) if fmt.mixed is not None else _nvfp4_only(fmt, inline, side)
+        return parsed, schema.blockscale_section(inline)
     except schema.ConfigError as e:
         raise CheckpointError(f"{root / (e.file or CONFIG_FILE)}: {e}") from None
 
@@ -121,24 +129,6 @@ def _transformers_config(cfg: dict, config_path: Path):
         raise CheckpointError(f"{config_path}: transformers cannot read it ({_one_line(e)})") from None
 
 
-# ---- the plan: what the checkpoint must hold, from a meta-device build -----------------------------
-@dataclass(frozen=True)
-class _QLinear:
-    in_features: int
-    out_features: int
-    bias: bool
-    rule: Optional[str]
-    error: str
-
-
-@dataclass
-class _Plan:
-    quantized: dict  # module name -> _QLinear
-    expected_q: dict  # tensor name -> (module, on-disk suffix, dtype, allowed shapes)
-    plain: dict  # tensor name -> (dtype, shape)
-    model_bytes: int
-
-
 def _build(config, dtype: torch.dtype, config_path: Path, meta: bool):
     from transformers import AutoModelForCausalLM
 
@@ -154,45 +144,10 @@ def _build(config, dtype: torch.dtype, config_path: Path, meta: bool):
                               f"({_one_line(e)})") from None
 
 
-def _unshared(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The meta model's state without tied copies (what ``drop_shared`` keeps on a real model)."""
-    state = model.state_dict(keep_vars=True)
-    targets = tied_targets(model)
-    by_id: dict[int, list[str]] = defaultdict(list)
-    for k, t in state.items():
-        by_id[id(t)].append(k)
-    drop = set()
-    for names in by_id.values():
-        keep = ([n for n in names if n not in targets] or names)[:1]
-        drop.update(n for n in names if n not in keep)
-    return {k: t for k, t in state.items() if k not in drop}
-
-
-def _plan(model: nn.Module, spec: QuantScheme, bs: dict, fmt: CheckpointFormat, config_path: Path) -> _Plan:
-    w4a4 = spec.w4a4
-    quantized: dict[str, _QLinear] = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or not spec.quantizes(name):
-            continue
-        if m.in_features % 16:
-            raise CheckpointError(f"{config_path}: {name}: in_features={m.in_features} is not a multiple of 16, so it "
-                                  "cannot be NVFP4; the quantization config should list it in ignore / exclude_modules")
-        rule, err = None, "mse"
-        if w4a4:
-            o = bs["input_overrides"].get(name, {})
-            rule = o.get("input_scale_rule") or bs["input_scale_rule"] or "6"
-            err = o.get("input_error") or bs["input_error"] or "mse"
-        quantized[name] = _QLinear(m.in_features, m.out_features, m.bias is not None, rule, err)
-    expected_q = {}
-    for name, q in quantized.items():
-        for suffix, (dt, shapes) in fmt.expected_tensors(q.in_features, q.out_features, w4a4).items():
-            expected_q[f"{name}.{suffix}"] = (name, suffix, dt, shapes)
-    plain = {k: (t.dtype, tuple(t.shape)) for k, t in _unshared(model).items()
-             if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2] != "bias")}
-    seen = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        seen[id(t)] = t.numel() * t.element_size()
-    return _Plan(quantized, expected_q, plain, sum(seen.values()))
+# ---- filling the model ----------------------------------------------------------------------------
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
 def _list(names, k=8) -> str:
@@ -200,68 +155,12 @@ def _list(names, k=8) -> str:
     return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "")
 
 
-def _check_plan(plan: _Plan, shards: Shards, root: Path, fmt_name: str, w4a4: bool, explicit: bool) -> None:
-    """Names, dtypes and shapes of every expected tensor against the headers."""
-    present, expected = set(shards.infos), set(plan.expected_q) | set(plan.plain)
-    missing, unexpected = expected - present, present - expected
-    if missing or unexpected:
-        msg = [f"{root}: the tensors do not match the config ({fmt_name}, {'W4A4' if w4a4 else 'W4A16'}, "
-               f"{len(plan.quantized)} NVFP4 Linears)"]
-        if missing:
-            msg.append(f"missing: {_list(missing)}")
-        if unexpected:
-            msg.append(f"unexpected: {_list(unexpected)}")
-        raise CheckpointError("; ".join(msg))
-    for key in sorted(expected):
-        t, f = shards.infos[key], shards.path(key)
-        if key in plan.expected_q:
-            _, _, dt, shapes = plan.expected_q[key]
-            if t.dtype != dt or t.shape not in {tuple(s) for s in shapes}:
-                want = " or ".join(str(list(s)) for s in shapes)
-                raise CheckpointError(f"{f}: tensor {key!r}: {t.dtype} {list(t.shape)}, expected {dt} {want}")
-            continue
-        dt, shape = plan.plain[key]
-        if t.shape != shape:
-            raise CheckpointError(f"{f}: tensor {key!r}: shape {list(t.shape)}, the config implies {list(shape)}")
-        if t.dtype != dt and not (explicit and t.dtype.is_floating_point and dt.is_floating_point):
-            raise CheckpointError(f"{f}: tensor {key!r}: {t.dtype}, expected {dt} (the model dtype; pass dtype= to "
-                                  "cast)")
-
-
-def _check_values(plan: _Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
-    scale, outer = fmt.suffix("weight_scale"), (fmt.suffix("weight_global_scale"), fmt.suffix("input_global_scale"))
-    for key, (_, suffix, _, _) in plan.expected_q.items():
-        if suffix == scale:
-            check_block_scales(key, shards.view(key), shards.path(key))
-        elif suffix in outer:
-            check_outer_scale(key, shards.view(key), shards.path(key))
-    for name in plan.quantized:
-        key = f"{name}.{outer[0]}"
-        stored = shards.view(key)
-        check_decode_range(key, stored, fmt.decode_scale(stored), shards.view(f"{name}.{scale}"), shards.path(key))
-    for key in plan.plain:
-        check_finite(key, shards.view(key), shards.path(key))
-    stored = {n: {s: shards.view(f"{n}.{s}") for s in outer if f"{n}.{s}" in plan.expected_q} for n in plan.quantized}
-    groups = sibling_groups(list(plan.quantized))
-    try:
-        for s in outer:
-            check_shared_scales({n: d.get(s) for n, d in stored.items()}, s, groups)
-    except ValueError as e:
-        raise CheckpointError(f"{root}: {e}") from None
-
-
-# ---- filling the model ----------------------------------------------------------------------------
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, new)
-
-
-def _fill(model: nn.Module, plan: _Plan, shards: Shards, fmt: CheckpointFormat, dtype: torch.dtype) -> None:
-    quantized: dict[str, NVFP4Linear] = {}
+def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, dtype: torch.dtype) -> None:
+    quantized: dict[str, nn.Module] = {}
     for name, q in plan.quantized.items():
         w = model.get_submodule(name).weight
-        new = NVFP4Linear(q.in_features, q.out_features, q.bias, input_scale_rule=q.rule, input_error=q.error,
-                          dtype=w.dtype if w.is_floating_point() else dtype)
+        new = build_module(q.scheme, q.rules, q.in_features, q.out_features, q.bias,
+                           w.dtype if w.is_floating_point() else dtype)
         _replace(model, name, new)
         quantized[name] = new
     state = drop_shared(model, model.state_dict())
@@ -272,24 +171,35 @@ def _fill(model: nn.Module, plan: _Plan, shards: Shards, fmt: CheckpointFormat, 
                               f"({_list(set(plain) ^ set(plan.plain))})")
     with torch.no_grad():
         for name, m in quantized.items():
-            t = {s: shards.get(key) for key, (n, s, _, _) in plan.expected_q.items() if n == name}
+            s = plan.quantized[name].scheme
+            t = {suf: shards.get(key) for key, (n, suf, _, _) in plan.expected_q.items() if n == name}
             try:
-                layer = fmt.read_layer(t)
+                if s.is_nvfp4:
+                    layer = fmt.read_layer(t)
+                    bufs = {"weight_packed": layer.weight_packed, "weight_scale": layer.weight_scale,
+                            "weight_global_scale": layer.weight_global_scale}
+                    if layer.input_global_scale is not None:
+                        bufs["input_global_scale"] = layer.input_global_scale
+                else:
+                    bufs = fmt.mixed.read_module(s, t)
             except ValueError as e:
                 raise CheckpointError(f"{shards.root}: {name}: {e}") from None
-            m.weight_packed.copy_(layer.weight_packed)
-            m.weight_scale.copy_(layer.weight_scale)
-            m.weight_global_scale.copy_(layer.weight_global_scale)
-            if layer.input_global_scale is not None:
-                m.input_global_scale.copy_(layer.input_global_scale)
+            for buf, v in bufs.items():
+                getattr(m, buf).copy_(v.reshape(getattr(m, buf).shape))
         for key, target in plain.items():
             target.copy_(shards.view(key).to(target.dtype))
+        kv: dict[str, dict] = {}
+        for key, (attn, which, _) in plan.kv.items():
+            kv.setdefault(attn, {})[which] = shards.get(key).to(torch.float32).reshape(-1)
+    for attn, d in kv.items():
+        set_kv_scales(model.get_submodule(attn), d["k_scale"], d["v_scale"])
 
 
 def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, device="cpu",
                     verify: bool = True):
     """Load a checkpoint written by ``export_checkpoint`` (either format) as a transformers causal LM
-    with ``NVFP4Linear`` modules, in eval mode.
+    with ``NVFP4Linear`` / ``FP8Linear`` / ``MXLinear`` modules (each Linear the scheme its config
+    group / ``quantized_layers`` entry gives) and FP8 KV-cache scales (``nn.set_kv_scales``), in eval mode.
 
     dtype: of the non-quantized weights and activations (default: ``quantization_config.blockscale.dtype``,
       the exported model's dtype, else config.json's ``dtype``); floating
@@ -298,9 +208,10 @@ def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtyp
       (checkpoints of other producers have none and load without); ``False`` skips only that check.
     Everything is validated before the model is allocated (see the module docstring): strict names /
     dtypes / shapes, finite non-negative block scales, positive normal finite outer scales, finite
-    weights, fused siblings sharing their outer scales; W4A4 activation rules come from
-    ``quantization_config.blockscale`` (default "6"). Raises ``CheckpointError`` (a ValueError) naming
-    the file and the tensor or key; ``UsageError`` for a bad ``dtype`` / ``device``.
+    weights, fused siblings sharing their outer scales, FP8 codes without NaN bytes, FP8 and KV scales
+    finite and > 0, UE8M0 bytes != 255; W4A4 activation rules and MX scale rules come from
+    ``quantization_config.blockscale`` (defaults "6" and "ceil"). Raises ``CheckpointError`` (a
+    ValueError) naming the file and the tensor or key; ``UsageError`` for a bad ``dtype`` / ``device``.
     """
     dev = _device(device)
     root = checkpoint_dir(path)
@@ -318,10 +229,10 @@ def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtyp
     try:
         check_sizes(cfg, shards, config_path)
         config = _transformers_config(cfg, config_path)
-        plan = _plan(_build(config, dtype, config_path, meta=True), spec, bs, fmt, config_path)
-        _check_plan(plan, shards, root, fmt.name, spec.w4a4, explicit)
+        plan = build_plan(_build(config, dtype, config_path, meta=True), spec, bs, fmt, config_path, cfg)
+        check_plan(plan, shards, root, fmt.name, explicit)
         check_model_bytes(plan.model_bytes, shards, config_path)
-        _check_values(plan, shards, fmt, root)
+        check_values(plan, shards, fmt, root)
         if verify:
             verify_digests(shards, cfg, config_path, bs["tensor_digests"])
         model = _build(config, dtype, config_path, meta=False)

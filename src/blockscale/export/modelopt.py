@@ -11,6 +11,7 @@ decode scale: x^ = q * s * weight_scale_2), and for W4A4 ``<m>.input_scale`` fp3
 quant_algo: "NVFP4" = W4A4; "W4A16_NVFP4" = NVFP4 weights with 16-bit activations (ModelOpt's
 ``QUANTIZATION_W4A16_NVFP4``; vLLM's ModelOptNvFp4Config maps it to its Marlin W4A16 method, but
 TensorRT-LLM's ``QuantAlgo`` enum has no such member, so only W4A4 loads everywhere).
+FP8 / MXFP8 Linears, ``MIXED_PRECISION`` and FP8 KV-cache scales: ``modelopt_schemes`` (``mixed``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Mapping, Optional
 import torch
 
 from . import schema
+from .modelopt_schemes import MIXED_FORMAT
 from .registry import CheckpointFormat, LayerTensors, QuantScheme, register
 
 NAME = "modelopt"
@@ -202,7 +204,7 @@ FORMAT = register(CheckpointFormat(
     quantization_config=quantization_config, export_tensor=export_tensor, detects=detects, parse_config=parse_config,
     expected_tensors=expected_tensors, read_layer=read_layer, decode_scale=decode_scale, side_files=side_files,
     side_file_names={HF_QUANT_CONFIG: "ModelOpt config"}, check_module=check_module,
-    detection=f"quant_method {QUANT_METHOD!r} (or none and an {HF_QUANT_CONFIG})"))
+    detection=f"quant_method {QUANT_METHOD!r} (or none and an {HF_QUANT_CONFIG})", mixed=MIXED_FORMAT))
 
 __all__ = ["FORMAT", "NAME", "HF_QUANT_CONFIG", "hf_quant_config", "quantization_config", "parse_config",
            "parse_quant_config", "expected_tensors", "encode_scale_from_decode", "read_layer"]

@@ -63,6 +63,45 @@ class LayerTensors:
     input_global_scale: Optional[torch.Tensor] = None
 
 
+@dataclass(frozen=True)
+class ParsedConfig:
+    """What a checkpoint's configs say, module by module: ``scheme_of(name)`` -> the ``ModuleScheme``
+    of a Linear stored quantized (None: kept in high precision); ``kv``: None (no KV-cache scales),
+    "tensor" (one k_scale / v_scale per attention layer) or "head" (one per KV head)."""
+
+    scheme_of: Callable[[str], Any]
+    kv: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class MixedFormat:
+    """How a format stores FP8 / MX Linears, several schemes in one checkpoint and FP8 KV-cache
+    scales (``CheckpointFormat.mixed``; a format without it holds all-NVFP4 checkpoints only).
+
+    check(schemes {module: ModuleScheme}, kv None | "tensor" | "head") -> None; ValueError naming the
+      module and scheme the format cannot store
+    quantization_config(schemes, ignore, producer, blockscale, kv) -> config.json quantization_config
+    side_files(schemes, ignore, producer, kv) -> {file name: JSON object}
+    module_tensors(scheme, out_features, in_features) -> {suffix: (dtype, allowed shapes)} (FP8 / MX)
+    export_module(scheme, {buffer: tensor}) -> {suffix: tensor}; read_module(scheme, {suffix: tensor})
+      -> {buffer: tensor} (FP8 / MX; NVFP4 modules use the format's NVFP4 callables)
+    kv_names(attention module name) -> (k tensor name, v tensor name)
+    kv_export(scale [1] or [H_kv], per_head) -> tensor to write; kv_shapes(kv, H_kv) -> allowed shapes
+    parse(quantization_config or None, side files) -> ParsedConfig; ``schema.ConfigError`` naming the key
+    """
+
+    check: Callable[[dict, Optional[str]], None]
+    quantization_config: Callable[[dict, list, dict, dict, Optional[str]], dict]
+    side_files: Callable[[dict, list, dict, Optional[str]], dict]
+    module_tensors: Callable[[Any, int, int], dict]
+    export_module: Callable[[Any, dict], dict]
+    read_module: Callable[[Any, dict], dict]
+    kv_names: Callable[[str], tuple]
+    kv_export: Callable[[torch.Tensor, bool], torch.Tensor]
+    kv_shapes: Callable[[str, int], tuple]
+    parse: Callable[[Optional[dict], Mapping[str, dict]], ParsedConfig]
+
+
 def _no_side_files(w4a4: bool, ignore: list[str], producer: dict) -> dict[str, Any]:
     return {}
 
@@ -87,6 +126,7 @@ class CheckpointFormat:
     serving_dtype: config.json ``dtype`` to write (the dtype the format's runtime decompresses to);
       None: the model dtype.
     detection: how ``detects`` recognises it, in words (for the "not a checkpoint" message).
+    mixed: FP8 / MX Linears, mixed schemes and KV-cache scales (``MixedFormat``); None: NVFP4 only.
     """
 
     name: str
@@ -105,6 +145,7 @@ class CheckpointFormat:
     check_module: Callable[[str, Any], None] = _no_check
     serving_dtype: Optional[torch.dtype] = None
     detection: str = ""
+    mixed: Optional[MixedFormat] = None
 
     def suffix(self, buffer: str) -> str:
         """The on-disk suffix of an NVFP4Linear buffer."""
@@ -159,5 +200,5 @@ def side_file_names() -> frozenset[str]:
     return frozenset(n for f in _BY_NAME.values() for n in f.side_file_names)
 
 
-__all__ = ["BUFFERS", "CheckpointFormat", "FORMATS", "LayerTensors", "QuantScheme", "format_named", "register",
-           "side_file_names", "unregister"]
+__all__ = ["BUFFERS", "CheckpointFormat", "FORMATS", "LayerTensors", "MixedFormat", "ParsedConfig", "QuantScheme",
+           "format_named", "register", "side_file_names", "unregister"]

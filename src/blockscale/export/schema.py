@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..quant.mx import MX_SCALE_RULES
 from ..quant.nvfp4 import INPUT_SCALE_RULES, NVFP4_ERRORS
 from .writer import DIGEST_ALGO, DIGEST_MARKER
 
@@ -168,7 +169,8 @@ def layer_count(cfg: dict) -> Optional[tuple[str, int]]:
 # ---- quantization_config.blockscale ------------------------------------------------------------------
 def blockscale_section(qcfg: Any) -> dict:
     """Our section of ``quantization_config`` (absent in other producers' checkpoints), checked:
-    {"input_scale_rule", "input_error", "input_overrides": {module: {...}}, "tensor_digests", "dtype"}
+    {"input_scale_rule", "input_error", "input_overrides": {module: {...}}, "mx_scale_rule",
+    "mx_scale_overrides": {module: rule}, "tensor_digests", "dtype"}
     (``dtype``: the model dtype of the non-quantized tensors, when config.json's is a serving dtype)."""
     key = "quantization_config.blockscale"
     bs = obj(qcfg.get("blockscale") if isinstance(qcfg, dict) else None, key, optional=True)
@@ -183,6 +185,10 @@ def blockscale_section(qcfg: Any) -> dict:
     out["input_overrides"] = {n: activation(obj(o, f"{key}.input_overrides[{short(n)}]"),
                                           f"{key}.input_overrides[{short(n)}]")
                               for n, o in over.items()}
+    out["mx_scale_rule"] = string(bs.get("mx_scale_rule"), f"{key}.mx_scale_rule", allowed=MX_SCALE_RULES)
+    mx_over = obj(bs.get("mx_scale_overrides"), f"{key}.mx_scale_overrides", optional=True)
+    out["mx_scale_overrides"] = {n: string(r, f"{key}.mx_scale_overrides[{short(n)}]", allowed=MX_SCALE_RULES)
+                                 for n, r in mx_over.items()}
     out["tensor_digests"] = string(bs.get(DIGEST_MARKER), f"{key}.{DIGEST_MARKER}", allowed=(DIGEST_ALGO,))
     out["dtype"] = string(bs.get("dtype"), f"{key}.dtype", allowed=MODEL_DTYPES)
     return out

@@ -1,4 +1,5 @@
-"""What a written checkpoint's bytes are: NVFP4 weights (packed codes, block and outer scales) against
+"""What a written checkpoint's bytes are: quantized weights (NVFP4 packed codes, block and outer scales;
+FP8 / MX codes and scales in mixed checkpoints) against
 high-precision tensors (embeddings, lm_head, norms, Linears kept unquantized), for the one-line size
 summary ``blockscale quantize`` and the demo print."""
 from __future__ import annotations
@@ -20,16 +21,18 @@ _DTYPE = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16", "U8": "ui
 
 @dataclass(frozen=True)
 class SizeBreakdown:
-    """Bytes of tensor data: total = nvfp4 + high_precision; ``largest`` = (name, dtype, bytes) of the
-    biggest high-precision tensor (None when there is none)."""
+    """Bytes of tensor data: total = nvfp4 + high_precision (``nvfp4``: the quantized Linears' tensors,
+    NVFP4 or, in mixed checkpoints, FP8 / MX too: ``weights`` names them); ``largest`` = (name, dtype,
+    bytes) of the biggest high-precision tensor (None when there is none)."""
 
     total: int
     nvfp4: int
     high_precision: int
     largest: tuple | None
+    weights: str = "NVFP4"
 
     def __str__(self) -> str:
-        text = (f"checkpoint {_mb(self.total)}: NVFP4 weights {_mb(self.nvfp4)}, "
+        text = (f"checkpoint {_mb(self.total)}: {self.weights} weights {_mb(self.nvfp4)}, "
                 f"high-precision tensors {_mb(self.high_precision)}")
         if self.largest is not None:
             name, dt, n = self.largest
@@ -47,6 +50,8 @@ def size_breakdown(path: Union[str, os.PathLike]) -> SizeBreakdown:
     root = Path(path)
     report = json.loads((root / REPORT_FILE).read_text(encoding="utf-8"))
     quantized = set(report.get("quantized_modules", {}))
+    scheme = (report.get("quantization") or {}).get("scheme")
+    weights = "NVFP4" if scheme in (None, "NVFP4", "NVFP4A16") else "quantized"
     nvfp4 = high = 0
     largest = None
     for f in report["files"]:
@@ -62,7 +67,7 @@ def size_breakdown(path: Union[str, os.PathLike]) -> SizeBreakdown:
                     high += n
                     if largest is None or n > largest[2]:
                         largest = (name, _DTYPE.get(sl.get_dtype(), sl.get_dtype().lower()), n)
-    return SizeBreakdown(nvfp4 + high, nvfp4, high, largest)
+    return SizeBreakdown(nvfp4 + high, nvfp4, high, largest, weights)
 
 
 __all__ = ["SizeBreakdown", "size_breakdown"]

@@ -7,6 +7,9 @@
 * Outer and input scales, S (compressed-tensors ``weight_global_scale`` / ``input_global_scale``) or
   1/S (ModelOpt ``weight_scale_2`` / ``input_scale``): positive, normal (>= 2**-126), finite FP32
   values whose FP32 reciprocal is finite.
+* FP8 codes (FP8 and MXFP8 weights): no NaN byte (0x7F / 0xFF). FP8 scales (weight_scale, static
+  input_scale) and KV-cache k_scale / v_scale: every element finite and > 0, and 448 x the largest
+  weight scale finite. UE8M0 (MX) scale bytes != 255 (NaN), and the dequantized MX weight finite.
 * Every other floating tensor (norms, embeddings, biases, high-precision Linears) finite.
 * SHA-256 digests (our exports): each tensor's stored bytes and config.json's content.
 """
@@ -22,6 +25,7 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError
+from ..quant import MX, QuantizedTensor
 from .files import Shards
 from .schema import layer_count
 from .writer import CONFIG_DIGEST_KEY, DIGEST_ALGO, DIGEST_KEY, DIGEST_MARKER, config_digest
@@ -120,6 +124,59 @@ def check_decode_range(name: str, stored: torch.Tensor, decode: torch.Tensor, sc
                               f"(6 x block scale {smax!r}) to inf; the outer scale is out of range")
 
 
+def check_fp8_codes(name: str, t: torch.Tensor, file: Path) -> None:
+    """E4M3 codes: no NaN byte (0x7F, 0xFF)."""
+    u = t.view(torch.uint8)
+    bad = (u == 0x7F) | (u == 0xFF)
+    n = int(bad.sum())
+    if n:
+        i = _first(bad)
+        raise CheckpointError(f"{file}: tensor {name!r}: {n} of {u.numel()} E4M3 codes are NaN (first at "
+                              f"{_position(i, u.shape)}, byte {int(u.reshape(-1)[i]):#04x})")
+
+
+def check_positive(name: str, t: torch.Tensor, file: Path) -> None:
+    """FP32 (or 16-bit) scales: every element finite and > 0."""
+    v = t.to(torch.float32)
+    bad = ~(torch.isfinite(v) & (v > 0))
+    n = int(bad.sum())
+    if n or v.numel() == 0:
+        i = _first(bad) if n else 0
+        x = float(v.reshape(-1)[i]) if v.numel() else math.nan
+        raise CheckpointError(f"{file}: tensor {name!r}: {n} of {v.numel()} scales are not finite and > 0 (first at "
+                              f"{_position(i, v.shape)}: {x!r})")
+
+
+def check_fp8_range(name: str, scale: torch.Tensor, file: Path) -> None:
+    """448 x the largest FP8 weight scale must be finite FP32 (amax / 448 of finite weights is)."""
+    smax = float(scale.to(torch.float32).max())
+    if not math.isfinite(float(torch.tensor(448.0) * torch.tensor(smax, dtype=torch.float32))):
+        raise CheckpointError(f"{file}: tensor {name!r}: scale {smax!r} dequantizes the largest E4M3 code (448) to "
+                              "inf; the scale is out of range")
+
+
+def check_ue8m0(name: str, t: torch.Tensor, file: Path) -> None:
+    """UE8M0 scale bytes: 255 is NaN."""
+    bad = t.view(torch.uint8) == 255
+    n = int(bad.sum())
+    if n:
+        i = _first(bad)
+        raise CheckpointError(f"{file}: tensor {name!r}: {n} of {t.numel()} UE8M0 scale bytes are 255 (NaN; first at "
+                              f"{_position(i, t.shape)})")
+
+
+def check_mx_finite(name: str, element: str, codes: torch.Tensor, scales: torch.Tensor, shape, file: Path) -> None:
+    """The MX weight dequantized (v x 2**(b - 127)) must be finite."""
+    w = QuantizedTensor(spec=MX(element), codes=codes, scales=scales, shape=torch.Size(shape),
+                        dtype=torch.float32).dequantize(torch.float32)
+    bad = ~torch.isfinite(w)
+    n = int(bad.sum())
+    if n:
+        i = _first(bad)
+        raise CheckpointError(f"{file}: tensor {name!r}: {n} weights dequantize to inf / NaN (first at "
+                              f"{_position(i, w.shape)}); the UE8M0 scales are out of range")
+
+
 def check_finite(name: str, t: torch.Tensor, file: Path) -> None:
     if not t.is_floating_point():
         return
@@ -176,5 +233,6 @@ def verify_digests(shards: Shards, cfg: dict, config_path: Path, marker: Optiona
                                   f"corrupt or was modified after export); {_SKIP}")
 
 
-__all__ = ["check_block_scales", "check_decode_range", "check_finite", "check_model_bytes", "check_outer_scale",
-           "check_sizes", "verify_digests"]
+__all__ = ["check_block_scales", "check_decode_range", "check_finite", "check_fp8_codes", "check_fp8_range",
+           "check_model_bytes", "check_mx_finite", "check_outer_scale", "check_positive", "check_sizes", "check_ue8m0",
+           "verify_digests"]

@@ -1,19 +1,20 @@
-"""What of a model is quantized: NVFP4 weight elements vs floating-point weight matrices left in high
-precision (nn.Linear, fused 3-D expert tensors, routers, ...). Used by PTQ reports and by export, so
-neither ever claims more than was done."""
+"""What of a model is quantized: quantized-Linear (NVFP4 / FP8 / MX) weight elements vs floating-point
+weight matrices left in high precision (nn.Linear, fused 3-D expert tensors, routers, ...). Used by
+PTQ reports and by export, so neither ever claims more than was done."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from .nvfp4_linear import NVFP4Linear
+from .quantized_modules import is_quantized_linear
 
 
 @dataclass(frozen=True)
 class Coverage:
-    """quantized: NVFP4Linear name -> weight elements; high_precision: module name -> elements of the
-    floating-point parameters of >= 2 dims it owns directly (its own, not its children's)."""
+    """quantized: NVFP4Linear / FP8Linear / MXLinear name -> weight elements; high_precision: module
+    name -> elements of the floating-point parameters of >= 2 dims it owns directly (its own, not its
+    children's)."""
 
     quantized: dict = field(default_factory=dict)
     high_precision: dict = field(default_factory=dict)
@@ -38,7 +39,7 @@ def weight_coverage(module: nn.Module, prefix: str = "") -> Coverage:
     quantized, high = {}, {}
     for name, m in module.named_modules():
         full = f"{prefix}.{name}" if prefix and name else (prefix or name)
-        if isinstance(m, NVFP4Linear):
+        if is_quantized_linear(m):
             quantized[full] = m.in_features * m.out_features
             continue
         n = sum(p.numel() for p in m.parameters(recurse=False) if p.is_floating_point() and p.dim() >= 2)

@@ -52,6 +52,11 @@ class NVFP4Linear(nn.Module):
         self._cache: Optional[tuple] = None
         self._dtype = dtype
 
+    @property
+    def scheme_name(self) -> str:
+        """"nvfp4-w4a4" (activations quantized) or "nvfp4-w4a16"."""
+        return "nvfp4-w4a16" if self.input_global_scale is None else "nvfp4-w4a4"
+
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_quantized(cls, q: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,

@@ -5,7 +5,7 @@ from .config import ACTIVATIONS, WEIGHT_SCALE_RULES, PTQConfig
 from .methods import (AWQ, GPTQ, METHODS, RTN, AWQOptions, GPTQOptions, RTNOptions, SmoothQuant, SmoothQuantOptions,
                       register_method)
 from .methods.awq import AWQResult, awq_search
-from .methods.gptq import gptq_quantize
+from .methods.gptq import gptq_fixed_grid, gptq_quantize
 from .methods.smoothquant import smoothquant_scales
 from .options import OptionError, option
 from .protocol import LayerContext, PTQMethod, QuantizedWeight
@@ -17,4 +17,4 @@ __all__ = ["ACTIVATIONS", "AWQ", "AWQOptions", "AWQResult", "GPTQ", "GPTQOptions
            "InputStatistics", "LayerContext", "LinearReport", "METHODS", "OptionError", "PTQConfig", "PTQMethod",
            "PTQReport", "QuantizedWeight", "RTN", "RTNOptions", "SmoothQuant", "SmoothQuantOptions",
            "SmoothingGroup", "StatisticsRequest", "WEIGHT_SCALE_RULES", "awq_search", "find_smoothing_groups",
-           "fold_smoothing", "gptq_quantize", "option", "quantize_model", "register_method", "smoothquant_scales"]
+           "fold_smoothing", "gptq_fixed_grid", "gptq_quantize", "option", "quantize_model", "register_method", "smoothquant_scales"]

@@ -3,10 +3,14 @@ activations, what to exclude, calibration)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from ..errors import UsageError
 from ..quant import NVFP4
+from ..recipes.ptq_builtin import get_ptq_recipe
+from ..recipes.ptq_recipe import PTQRecipe, Scheme
+from ..recipes.ptq_serialize import ptq_recipe_to_dict
 from ..recipes.recipe import DEFAULT_EXCLUDE, check_patterns  # embeddings, the output head, MoE routers: as in training
 from .methods import METHODS, get_method
 from .protocol import PTQMethod
@@ -41,6 +45,11 @@ class PTQConfig:
     allow_partial: quantize what can be even when more than half of the decoder layers' weight
       elements stay in high precision (e.g. fused 3-D MoE experts, which PTQ does not quantize);
       otherwise that is a QuantizationError before calibrating. Either way the report lists them.
+    recipe: a PTQ recipe (``recipes.PTQRecipe``, or a built-in name / YAML path): per-module schemes
+      (NVFP4, FP8, MX, bf16), its ignore list and FP8 KV cache. None: the flat fields above (scale_rule,
+      error, activations, act_scale_rule, exclude) describe a one-scheme NVFP4 recipe, as before. With a
+      recipe those fields must stay at their defaults (set the options on the recipe's schemes, e.g.
+      ``recipe.with_nvfp4(scale_rule="sweep")``, and its ``ignore``). ``ptq_recipe``: the effective one.
     Fused groups (q/k/v, gate/up, w1/w3) always share one weight outer scale.
     """
 
@@ -50,6 +59,7 @@ class PTQConfig:
     activations: str = "w4a16"
     act_scale_rule: str = "6"
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    recipe: Optional[PTQRecipe] = None
     skip_indivisible: bool = False
     allow_partial: bool = False
     # calibration
@@ -68,6 +78,7 @@ class PTQConfig:
         _choice("act_scale_rule", self.act_scale_rule, ACT_SCALE_RULES)
         NVFP4(scale_rule=self.scale_rule, error=self.error)  # validates error
         object.__setattr__(self, "exclude", check_patterns(self.exclude))
+        self._check_recipe()
         if self.options is None:
             object.__setattr__(self, "options", cls.Options())
         elif not isinstance(self.options, cls.Options):
@@ -84,8 +95,41 @@ class PTQConfig:
         if self.seq_len < 2:
             raise UsageError(f"seq_len={self.seq_len}: need at least 2 tokens")
 
+    def _check_recipe(self) -> None:
+        if self.recipe is None:
+            return
+        if isinstance(self.recipe, (str, Path)):
+            object.__setattr__(self, "recipe", get_ptq_recipe(self.recipe))
+        if not isinstance(self.recipe, PTQRecipe):
+            raise UsageError(f"recipe={self.recipe!r}: expected a PTQRecipe, a built-in PTQ recipe name or a "
+                             "YAML path (or None)")
+        flat = {"scale_rule": "6", "error": "mse", "activations": "w4a16", "act_scale_rule": "6",
+                "exclude": DEFAULT_EXCLUDE}
+        changed = [k for k, v in flat.items() if getattr(self, k) != v]
+        if changed:
+            raise UsageError(f"{', '.join(changed)} cannot be combined with recipe={self.recipe.name!r}: the recipe "
+                             "sets each scheme's options and its ignore list (use recipe.with_nvfp4(scale_rule=..., "
+                             "error=..., act_scale_rule=...) or recipe.replace(ignore=...))")
+
+    @property
+    def ptq_recipe(self) -> PTQRecipe:
+        """The effective PTQ recipe: ``recipe``, or (None) the one NVFP4 scheme the flat fields describe."""
+        if self.recipe is not None:
+            return self.recipe
+        w4a4 = self.activations == "w4a4"
+        scheme = Scheme("nvfp4-w4a4" if w4a4 else "nvfp4-w4a16", self.scale_rule, self.error,
+                        self.act_scale_rule if w4a4 else None)
+        return PTQRecipe.single(scheme, ignore=self.exclude)
+
     @property
     def weight_spec(self) -> NVFP4:
+        """The NVFP4 weight spec of the flat fields; with a recipe, that of its default scheme when it is
+        NVFP4 (per-module schemes: ``scheme_plan.assign_schemes``)."""
+        if self.recipe is not None:
+            if self.recipe.default.family != "nvfp4":
+                raise UsageError(f"recipe {self.recipe.name!r}: its default scheme {self.recipe.default.label} is not "
+                                 "NVFP4; take each module's weight spec from its scheme")
+            return self.recipe.default.weight_spec
         return NVFP4(scale_rule=self.scale_rule, error=self.error)
 
     def make_method(self) -> PTQMethod:
@@ -94,19 +138,26 @@ class PTQConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return METHODS[self.method].calibrates or self.activations == "w4a4"
+        return METHODS[self.method].calibrates or self.ptq_recipe.needs_calibration
 
     @property
     def label(self) -> str:
-        """Short name for tables: e.g. "gptq 4over6-mse w4a4"."""
+        """Short name for tables: e.g. "gptq 4over6-mse w4a4"; with a recipe "rtn fp8 (fp8-w8a8)"."""
+        if self.recipe is not None:
+            return f"{self.method} {self.recipe.label}"
         rule = self.scale_rule + (f"-{self.error}" if self.scale_rule == "4over6" else "")
         act = self.activations + (f" a:{self.act_scale_rule}" if self.activations == "w4a4" and self.act_scale_rule != "6" else "")
         return f"{self.method} {rule} {act}"
 
     def to_dict(self) -> dict:
-        """Every field; ``options`` as a dict of the method's options."""
+        """Every field; ``options`` as a dict of the method's options; ``recipe`` (only when given) as
+        ``recipes.ptq_recipe_to_dict`` writes it."""
         d = asdict(self)
         d["exclude"] = list(self.exclude)
+        if self.recipe is None:
+            del d["recipe"]
+        else:
+            d["recipe"] = ptq_recipe_to_dict(self.recipe)
         return d
 
 

@@ -116,7 +116,9 @@ def calibrate_and_quantize(model, tokenizer, config: PTQConfig, calib: str, cali
     batches = None
     if config.needs_calibration:
         if tokenizer is None:
-            raise ValueError(f"method={config.method!r} / activations={config.activations!r} calibrates on text, "
+            what = (f"recipe={config.recipe.name!r}" if config.recipe is not None
+                    else f"activations={config.activations!r}")
+            raise ValueError(f"method={config.method!r} / {what} calibrates on text, "
                              "but this model has no tokenizer (save one next to the weights)")
         batches = calibration_batches(tokenizer, calib, config.n_samples, config.seq_len, seed=config.seed,
                                       bos=calib_bos)

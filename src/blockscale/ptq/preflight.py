@@ -21,6 +21,7 @@ from ..nn.coverage import Coverage, weight_coverage
 from ..nn.fused import fused_groups
 from .config import PTQConfig
 from .finite import check_finite_parameters, non_finite_error
+from .scheme_plan import assign_schemes
 
 # above this share of the decoder-layer weight elements left in high precision, PTQ refuses to call
 # the result an NVFP4 model unless PTQConfig.allow_partial
@@ -31,35 +32,55 @@ PARTIAL_LIMIT = 0.5
 class Plan:
     """per_layer: per decoder layer, full name -> the nn.Linear to quantize; kept_high_precision:
     decoder-layer modules left in high precision, then the Linears outside the decoder layers;
-    coverage: the decoder layers' weight elements after PTQ; warnings: per-Linear notes."""
+    coverage: the decoder layers' weight elements after PTQ; warnings: per-Linear notes; schemes:
+    full name -> the ``recipes.Scheme`` of every Linear in per_layer (``scheme_plan.assign_schemes``)."""
 
     per_layer: list[dict[str, nn.Linear]]
     kept_high_precision: list[str]
     coverage: Coverage
     warnings: list[str] = field(default_factory=list)
+    schemes: dict = field(default_factory=dict)
+    kept_by_recipe: set = field(default_factory=set)
 
 
 def _matches(name: str, patterns) -> bool:
     return any(re.search(p, name) for p in patterns)
 
 
-def _choose(layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[str]) -> dict[str, nn.Linear]:
-    chosen = {}
+def _indivisible(full: str, m: nn.Linear, scheme) -> Optional[str]:
+    """Why ``m`` cannot take ``scheme`` (in_features not whole blocks), or None."""
+    block = scheme.block_size
+    if not block or m.in_features % block == 0:
+        return None
+    what = "NVFP4" if scheme.family == "nvfp4" else f"{scheme.name} (MX)"
+    return f"{full}: in_features={m.in_features} is not a multiple of {block}, which {what} checkpoints need"
+
+
+def _choose(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[str],
+            schemes: dict, by_recipe: set) -> dict[str, nn.Linear]:
+    recipe = config.ptq_recipe
+    candidates = {}
     for n, m in layer.named_modules():
-        if not isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear):
+            full = f"{lprefix}.{n}"
+            if not _matches(full, recipe.ignore):
+                candidates[full] = m
+    assigned = assign_schemes(model, list(candidates), recipe)  # refuses a split fused group
+    chosen = {}
+    for full, m in candidates.items():
+        scheme = assigned[full]
+        if scheme.family == "none":  # bf16: kept in high precision, listed in kept_high_precision
+            by_recipe.add(full)
             continue
-        full = f"{lprefix}.{n}"
-        if _matches(full, config.exclude):
+        why = _indivisible(full, m, scheme)
+        if why is not None and config.skip_indivisible:
+            warnings.append(f"{why.split(', which')[0]}: kept in high precision")
             continue
-        if m.in_features % 16 and config.skip_indivisible:
-            warnings.append(f"{full}: in_features={m.in_features} is not a multiple of 16: kept in high precision")
-            continue
-        if m.in_features % 16:
-            raise QuantizationError(f"{full}: in_features={m.in_features} is not a multiple of 16, which NVFP4 "
-                                    "checkpoints need; keep it in high precision with exclude=[...] or "
-                                    "skip_indivisible=True")
+        if why is not None:
+            raise QuantizationError(f"{why}; keep it in high precision with exclude=[...] or skip_indivisible=True")
         chosen[full] = m
-    # serving engines load a fused group as one layer: all of it NVFP4 or none
+        schemes[full] = scheme
+    # serving engines load a fused group as one layer: all of it quantized or none
     names = [f"{lprefix}.{n}" for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
     for group in fused_groups(names):
         part = [n for n in group if n in chosen]
@@ -71,12 +92,14 @@ def _choose(layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[st
 
 
 def plan_quantization(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQConfig) -> Plan:
-    """The Linears PTQ quantizes (every nn.Linear in the decoder layers not excluded) and the coverage
-    that leaves, as ``weight_coverage`` will count it afterwards."""
-    per_layer, kept, quantized, high, notes = [], [], {}, {}, []
+    """The Linears PTQ quantizes (every nn.Linear in the decoder layers not ignored by the recipe and
+    not given its "bf16" scheme), each one's scheme, and the coverage that leaves, as
+    ``weight_coverage`` will count it afterwards. In_features not in whole blocks of the scheme (16
+    NVFP4, 32 MX): kept in high precision with a note when ``skip_indivisible``, else QuantizationError."""
+    per_layer, kept, quantized, high, notes, schemes, by_recipe = [], [], {}, {}, [], {}, set()
     for i, layer in enumerate(layers):
         lprefix = f"{prefix}.{i}"
-        chosen = _choose(layer, lprefix, config, notes)
+        chosen = _choose(model, layer, lprefix, config, notes, schemes, by_recipe)
         cov = weight_coverage(layer, lprefix)
         layer_high = {n: v for n, v in cov.high_precision.items() if n not in chosen}
         quantized.update(cov.quantized)
@@ -88,7 +111,7 @@ def plan_quantization(model: nn.Module, layers: nn.ModuleList, prefix: str, conf
     for n, m in model.named_modules():
         if isinstance(m, nn.Linear) and id(m) not in in_layers and n not in kept:
             kept.append(n)
-    return Plan(per_layer, kept, Coverage(quantized, high), notes)
+    return Plan(per_layer, kept, Coverage(quantized, high), notes, schemes, by_recipe)
 
 
 def _largest(high: dict[str, int], k: int = 3) -> str:
@@ -105,19 +128,22 @@ def coverage_line(coverage: Coverage) -> str:
             f"({hp} of {total}) stay in high precision, in {_largest(coverage.high_precision)}")
 
 
-def check_coverage(coverage: Coverage, config: PTQConfig) -> Optional[str]:
+def check_coverage(coverage: Coverage, config: PTQConfig, kept_by_recipe=frozenset()) -> Optional[str]:
     """The warning line when anything in the decoder layers stays in high precision (None otherwise);
-    QuantizationError when more than half of it would, unless ``config.allow_partial``."""
+    QuantizationError when more than half of it would, unless ``config.allow_partial``. Linears the
+    recipe keeps on purpose (its "bf16" scheme, ``kept_by_recipe``) are listed but do not count
+    towards the refusal."""
     if not coverage.high_precision:
         return None
-    if coverage.high_precision_fraction > PARTIAL_LIMIT and not config.allow_partial:
-        hp = coverage.high_precision_elements
-        total = coverage.quantized_elements + hp
+    unintended = {n: v for n, v in coverage.high_precision.items() if n not in kept_by_recipe}
+    hp = sum(unintended.values())
+    total = coverage.quantized_elements + coverage.high_precision_elements
+    if total and hp / total > PARTIAL_LIMIT and not config.allow_partial:
         raise QuantizationError(
-            f"{100 * coverage.high_precision_fraction:.1f}% of the decoder layers' weight elements ({hp} of {total}) "
-            f"would stay in high precision, in {_largest(coverage.high_precision)} (PTQ quantizes the nn.Linear "
+            f"{100 * hp / total:.1f}% of the decoder layers' weight elements ({hp} of {total}) "
+            f"would stay in high precision, in {_largest(unintended)} (PTQ quantizes the nn.Linear "
             "layers not excluded or skipped; fused 3-D expert tensors, routers and other parameters stay as they "
-            "are), so the result would not be an NVFP4 model; pass allow_partial=True (--allow-partial) to quantize "
+            "are), so the result would hardly be a quantized model; pass allow_partial=True (--allow-partial) to quantize "
             "the rest anyway")
     return coverage_line(coverage)
 
@@ -128,6 +154,12 @@ def check_layers(layers: nn.ModuleList, prefix: str, config: PTQConfig) -> None:
     method = config.make_method()
     for i, layer in enumerate(layers):
         method.check_layer(layer, f"{prefix}.{i}")
+
+
+def check_method_schemes(method, schemes: dict) -> None:
+    """The method's check of every Linear's scheme (``PTQMethod.check_scheme``), before calibrating."""
+    for name, scheme in schemes.items():
+        method.check_scheme(name, scheme)
 
 
 def vocab_size(model: nn.Module) -> Optional[int]:
@@ -151,8 +183,10 @@ def vocab_size(model: nn.Module) -> Optional[int]:
 def check_calibration(model: nn.Module, calibration, config: PTQConfig) -> None:
     """Calibration ids: a non-empty [n, T] long tensor of ids in [0, vocabulary size)."""
     if calibration is None:
-        raise UsageError(f"method={config.method!r} with activations={config.activations!r} needs calibration "
-                         "token ids (calibration=[n, T] tensor)")
+        what = (f"recipe={config.recipe.name!r} (static activation scales or a KV cache)" if config.recipe is not None
+                else f"activations={config.activations!r}")
+        raise UsageError(f"method={config.method!r} with {what} needs calibration token ids (calibration=[n, T] "
+                         "tensor)")
     if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
         what = (f"{tuple(calibration.shape)} {calibration.dtype}" if isinstance(calibration, torch.Tensor)
                 else type(calibration).__name__)
@@ -169,4 +203,4 @@ def check_calibration(model: nn.Module, calibration, config: PTQConfig) -> None:
 
 
 __all__ = ["PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_finite_parameters",
-           "check_layers", "coverage_line", "non_finite_error", "plan_quantization", "vocab_size"]
+           "check_layers", "check_method_schemes", "coverage_line", "non_finite_error", "plan_quantization", "vocab_size"]

@@ -5,8 +5,12 @@
     stats  = record(layer, method.statistics())          # 1. forward hooks on the Linears to quantize
     alphas = method.transform_layer(LayerContext(...))   # 2. e.g. fold smoothing scales (in place)
     (stats recorded again when 2 changed the layer and W4A4 or the method needs them)
-    for each fused group (one outer scale S) and Linear:
+    for each fused group (one shared weight scale S) and Linear:
         q = method.quantize_weight(weight, stats[name], spec, S)   # 3. a QuantizedTensor
+
+``spec`` is the weight format of the Linear's scheme (``recipes.Scheme.weight_spec``: NVFP4, FP8 or
+MX) and ``S`` the scale its fused group shares (``ptq.scheme_quantize.group_weight_scale``: the NVFP4
+outer encode scale, the FP8 per-tensor dequantization scale, None for per-channel / block FP8 and MX).
 
 A method is a subclass of ``PTQMethod`` with a ``name``, an ``Options`` frozen dataclass (its fields made
 with ``ptq.options.option``), and whichever of the steps it changes; the defaults record nothing, leave
@@ -20,7 +24,8 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
-from ..quant import NVFP4, QuantizedTensor, quantize
+from ..quant import NVFP4, QuantizedTensor
+from .scheme_quantize import rtn_quantize
 from .statistics import InputStatistics, StatisticsRequest
 
 
@@ -30,7 +35,9 @@ class LayerContext:
 
     module: the decoder layer (changed in place). index: its position. linears: full name -> the
     nn.Linear to quantize. stats: full name -> its input statistics. weight_spec: the NVFP4 weight
-    format. act_scale_rule: the activations' scale rule for W4A4, None for W4A16.
+    format of the flat config. act_scale_rule: the activations' scale rule for W4A4, None for W4A16
+    (flat config). schemes: full name -> its ``recipes.Scheme`` (what each Linear becomes; None:
+    every Linear is NVFP4 with ``weight_spec`` / ``act_scale_rule``).
     """
 
     module: nn.Module
@@ -39,11 +46,12 @@ class LayerContext:
     stats: dict
     weight_spec: NVFP4
     act_scale_rule: Optional[str] = None
+    schemes: Optional[dict] = None
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """What ``quantize_weight`` returns: the weight as NVFP4, and a note for the report (e.g. a fallback)."""
+    """What ``quantize_weight`` returns: the quantized weight, and a note for the report (e.g. a fallback)."""
 
     q: QuantizedTensor
     note: str = ""
@@ -75,6 +83,11 @@ class PTQMethod:
     def check_layer(self, layer: nn.Module, name: str) -> None:
         """Before calibrating: a QuantizationError naming ``name`` if this method cannot handle ``layer``."""
 
+    def check_scheme(self, name: str, scheme) -> None:
+        """Before calibrating: a UsageError naming the method, the scheme and Linear ``name`` if this
+        method cannot quantize it with ``scheme`` (a ``recipes.Scheme``; the built-in methods take every
+        scheme)."""
+
     def statistics(self) -> StatisticsRequest:
         """1. What to record about each Linear's calibration inputs (beyond tokens and amax)."""
         return StatisticsRequest()
@@ -85,11 +98,11 @@ class PTQMethod:
         report); empty when nothing changed."""
         return {}
 
-    def quantize_weight(self, weight: torch.Tensor, stats: Optional[InputStatistics], spec: NVFP4,
-                        encode_scale: torch.Tensor) -> QuantizedWeight:
-        """3. ``weight`` [N, K] as NVFP4 with the group's outer encode scale (default: round to nearest
-        with the spec's scale rule)."""
-        return QuantizedWeight(quantize(weight, spec, encode_scale=encode_scale))
+    def quantize_weight(self, weight: torch.Tensor, stats: Optional[InputStatistics], spec,
+                        encode_scale: Optional[torch.Tensor]) -> QuantizedWeight:
+        """3. ``weight`` [N, K] in ``spec`` (NVFP4 / FP8 / MX) with the group's shared scale (default:
+        round to nearest, ``scheme_quantize.rtn_quantize``; NVFP4 with the spec's scale rule)."""
+        return QuantizedWeight(rtn_quantize(weight, spec, encode_scale))
 
 
 __all__ = ["LayerContext", "PTQMethod", "QuantizedWeight"]

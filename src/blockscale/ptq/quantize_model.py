@@ -1,16 +1,22 @@
-"""quantize_model: post-training quantization of a causal LM to NVFP4, one decoder layer at a time.
+"""quantize_model: post-training quantization of a causal LM, one decoder layer at a time, each Linear
+with its scheme from the PTQ recipe (``config.ptq_recipe``: NVFP4, FP8, MX or bf16 per module).
 
 For each decoder layer, the method's three steps (``ptq.protocol.PTQMethod``): (1) run the layer on
 the stored calibration inputs (outputs of the already quantized previous layers) and record
 per-Linear statistics (input amax, and what the method asks for: Hessian, per-channel max, sampled
 inputs); (2) ``transform_layer`` (AWQ / SmoothQuant: fold per-input-channel scales into the preceding
 norm / linear; the full-precision function is unchanged), then re-record statistics when needed;
-(3) ``quantize_weight`` for every Linear with one outer scale per fused group, replaced by an
-``NVFP4Linear``; then run the quantized layer to produce the next layer's inputs.
+(3) ``quantize_weight`` for every Linear with its scheme's weight spec and the scale its fused group
+shares (NVFP4 outer scale; FP8 per-tensor scale max amax / 448), replaced by the scheme's module
+(``NVFP4Linear`` / ``FP8Linear`` / ``MXLinear``; static input scales from the group's calibrated
+input amax); (4) with ``recipe.kv_cache``: run the quantized layer under a K/V amax observer and
+attach its FP8 KV scales (``kv_calibration``); then run the quantized layer (KV fake quantization
+active) to produce the next layer's inputs.
 
-Before any of it (``preflight``): the plan of what is quantized and what stays in high precision
-(refused when that is most of the decoder weights, unless ``allow_partial``), finite parameters,
-smoothable layers, calibration ids inside the vocabulary. During it: non-finite calibration inputs of
+Before any of it (``preflight``): the plan of what is quantized with which scheme and what stays in
+high precision (refused when that is most of the decoder weights, unless ``allow_partial``; a fused
+group split between schemes is refused), finite parameters, smoothable layers, attention modules for
+the KV cache, calibration ids inside the vocabulary. During it: non-finite calibration inputs of
 a Linear are a ``DataError`` naming it; any failure quantizing one Linear a ``QuantizationError``
 prefixed by its name.
 """
@@ -26,13 +32,15 @@ from torch import nn
 
 from ..errors import QuantizationError
 from ..nn.fused import fused_groups
-from ..nn.nvfp4_linear import NVFP4Linear
-from ..quant import NVFP4, quantize
-from ..quant.nvfp4 import input_encode_scale, shared_outer_scale
+from ..quant import NVFP4
 from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
 from .config import PTQConfig
-from .preflight import check_calibration, check_coverage, check_finite_parameters, check_layers, plan_quantization
+from .kv_calibration import calibrate_kv, check_kv_layers
+from .preflight import (check_calibration, check_coverage, check_finite_parameters, check_layers, check_method_schemes,
+                        plan_quantization)
 from .protocol import LayerContext, PTQMethod
+from .scheme_modules import build_linear
+from .scheme_quantize import group_weight_scale, rtn_quantize
 from .statistics import InputStatistics, collect_statistics
 
 
@@ -47,6 +55,7 @@ class LinearReport:
     input_amax: Optional[float] = None
     smoothing_alpha: Optional[float] = None
     note: str = ""
+    scheme: str = ""  # the Linear's scheme label (recipes.Scheme.label), e.g. "fp8-w8a8", "nvfp4-w4a4 4over6-mse"
 
 
 @dataclass
@@ -54,7 +63,9 @@ class PTQReport:
     """kept_high_precision: every decoder-layer module whose floating-point parameters of >= 2 dims stay
     in high precision (excluded Linears, fused 3-D MoE experts, routers, ...), then the Linears outside
     the decoder layers (lm_head); high_precision_elements: those decoder-layer modules -> their elements;
-    high_precision_fraction: their share of all decoder-layer weight elements (0 when all are NVFP4)."""
+    high_precision_fraction: their share of all decoder-layer weight elements (0 when all are quantized);
+    kv_cache (recipes with a kv_cache): {attention module: {"k_amax", "v_amax", "k_scale", "v_scale"}}
+    as lists (one value per layer, or one per KV head), s = amax / 448."""
 
     config: dict
     layers: int = 0
@@ -65,11 +76,21 @@ class PTQReport:
     calibration_tokens: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    kv_cache: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
 
         return asdict(self)
+
+
+def _legacy_nvfp4(recipe) -> tuple[NVFP4, Optional[str]]:
+    """``LayerContext.weight_spec`` / ``act_scale_rule``: those of the recipe's first NVFP4 scheme (the
+    flat config's one scheme), else NVFP4 defaults and None."""
+    nv = next((s for s in recipe.schemes() if s.family == "nvfp4"), None)
+    if nv is None:
+        return NVFP4(), None
+    return nv.weight_spec, (nv.act_scale_rule if nv.name == "nvfp4-w4a4" else None)
 
 
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -78,20 +99,17 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _quantize_one(n: str, lin: nn.Linear, st: Optional[InputStatistics], S: torch.Tensor, in_amax: float,
-                  cfg: PTQConfig, method: PTQMethod, spec: NVFP4, alpha: Optional[float], fallback_amax: float):
-    """Linear ``n`` as an NVFP4Linear (the method's ``quantize_weight`` with the group's outer scale S)
-    and its report."""
+def _quantize_one(n: str, lin: nn.Linear, st: Optional[InputStatistics], S: Optional[torch.Tensor], in_amax: float,
+                  scheme, method: PTQMethod, alpha: Optional[float], fallback_amax: float):
+    """Linear ``n`` as its scheme's inference module (the method's ``quantize_weight`` with the
+    group's shared weight scale S, ``scheme_quantize.group_weight_scale``) and its report."""
     w = lin.weight.detach()
+    spec = scheme.weight_spec
     res = method.quantize_weight(w, st, spec, S)
     note = res.note
-    if st is not None and st.tokens == 0 and cfg.activations == "w4a4":
+    if st is not None and st.tokens == 0 and scheme.static_activations:
         note = (note + "; " if note else "") + f"no calibration tokens: input amax {fallback_amax:.4g} from its layer"
-    kw = {}
-    if cfg.activations == "w4a4":
-        kw = dict(input_global_scale=input_encode_scale(in_amax, cfg.act_scale_rule),
-                  input_scale_rule=cfg.act_scale_rule, input_error=cfg.error)
-    new = NVFP4Linear.from_quantized(res.q, lin.bias, dtype=w.dtype, **kw)
+    new = build_linear(res.q, lin.bias, scheme, in_amax, w.dtype)
     wf = w.float()
     dw = new.dequantized_weight(torch.float32) - wf
     rel = float(dw.pow(2).sum() / wf.pow(2).sum().clamp_min(1e-30))
@@ -103,24 +121,25 @@ def _quantize_one(n: str, lin: nn.Linear, st: Optional[InputStatistics], S: torc
 
         out_rel = out_err(dw)
         if method.compares_to_rtn:
-            rtn_rel = out_err(quantize(w, spec, encode_scale=S).dequantize(torch.float32) - wf)
+            rtn_rel = out_err(rtn_quantize(w, spec, S).dequantize(torch.float32) - wf)
     return new, LinearReport(n, tuple(w.shape), st.tokens if st is not None else 0, rel, out_rel, rtn_rel,
-                             st.amax if st is not None else None, alpha, note)
+                             st.amax if st is not None else None, alpha, note, scheme.label)
 
 
-def _quantize_linears(root, linears: dict[str, nn.Linear], stats, cfg: PTQConfig, method: PTQMethod, spec: NVFP4,
+def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict, method: PTQMethod,
                       report: PTQReport, alphas: dict[str, float], fallback_amax: float) -> None:
     for group in fused_groups(list(linears)):
+        scheme = schemes[group[0]]  # one per fused group (scheme_plan.assign_schemes)
         amaxes = [stats[n].amax for n in group if stats is not None and stats[n].tokens]
         in_amax = max(amaxes) if amaxes else fallback_amax
         try:
-            S = shared_outer_scale([linears[n].weight for n in group], spec.outer_bound)
+            S = group_weight_scale(scheme, [linears[n].weight for n in group])
         except ValueError as err:
             raise QuantizationError(f"{', '.join(group)}: {err}") from err
         for n in group:
             st = stats[n] if stats is not None else None
             try:
-                new, lr = _quantize_one(n, linears[n], st, S, in_amax, cfg, method, spec, alphas.get(n), fallback_amax)
+                new, lr = _quantize_one(n, linears[n], st, S, in_amax, scheme, method, alphas.get(n), fallback_amax)
             except QuantizationError:
                 raise
             except ValueError as err:  # every failure names the Linear it happened in
@@ -130,16 +149,20 @@ def _quantize_linears(root, linears: dict[str, nn.Linear], stats, cfg: PTQConfig
 
 
 def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQConfig, calibration,
-               report: PTQReport) -> tuple[list[dict[str, nn.Linear]], int]:
+               report: PTQReport) -> tuple[list[dict[str, nn.Linear]], dict, int]:
     """Everything checked before calibrating; fills the report's high-precision fields and warns once
-    about them. Returns the Linears to quantize per layer and how many report.warnings were warned."""
+    about them. Returns the Linears to quantize per layer, their schemes and how many report.warnings
+    were warned."""
     plan = plan_quantization(model, layers, prefix, config)
     report.kept_high_precision = plan.kept_high_precision
     report.high_precision_elements = dict(plan.coverage.high_precision)
     report.high_precision_fraction = plan.coverage.high_precision_fraction
-    line = check_coverage(plan.coverage, config)  # raises when most of it would stay high precision
+    line = check_coverage(plan.coverage, config, plan.kept_by_recipe)  # raises when most would stay high precision
     check_finite_parameters(layers, prefix)
     check_layers(layers, prefix, config)
+    check_method_schemes(config.make_method(), plan.schemes)
+    if config.ptq_recipe.kv_cache is not None:
+        check_kv_layers(layers, prefix)
     if config.needs_calibration:
         check_calibration(model, calibration, config)
     if line is not None:
@@ -147,35 +170,39 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
         report.warnings.append(line)
     warned = len(report.warnings)
     report.warnings.extend(plan.warnings)
-    return plan.per_layer, warned
+    return plan.per_layer, plan.schemes, warned
 
 
 def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[torch.Tensor] = None, *,
                    device=None, progress: bool = True) -> PTQReport:
     """Quantize ``model`` (a transformers causal LM, or any model whose decoder layers form one
-    ModuleList) in place: every nn.Linear inside the decoder layers, except ``config.exclude``,
-    becomes an ``NVFP4Linear``. ``calibration``: [n, T] token ids (needed unless the method is RTN
-    with W4A16). ``device``: where each layer is processed (default: where the model is).
-    Returns a report (per-linear errors, what stays in high precision, time).
+    ModuleList) in place: every nn.Linear inside the decoder layers, except the recipe's ignore list
+    (``config.exclude`` for the flat config) and its "bf16" Linears, becomes its scheme's module
+    (``scheme_plan.assign_schemes``): NVFP4Linear, FP8Linear or MXLinear. ``calibration``: [n, T]
+    token ids (needed unless the method is RTN and no scheme has static activations nor the recipe a
+    KV cache). ``device``: where each layer is processed (default: where the model is).
+    Returns a report (per-linear errors and scheme, what stays in high precision, KV scales, time).
 
     Before calibrating, raises QuantizationError when more than half of the decoder layers' weight
     elements would stay in high precision (fused 3-D MoE experts, ...) unless ``config.allow_partial``
-    (then one RuntimeWarning says what share stays), when a decoder-layer parameter is NaN/inf, or when
-    AWQ / SmoothQuant cannot fold into a layer; DataError for calibration ids outside the vocabulary or
+    (then one RuntimeWarning says what share stays), when a recipe splits a fused group between schemes,
+    when in_features does not fit a scheme's blocks (unless ``skip_indivisible``), when a decoder-layer
+    parameter is NaN/inf, when AWQ / SmoothQuant cannot fold into a layer, or when the recipe's KV cache
+    finds no attention module in a layer; DataError for calibration ids outside the vocabulary or
     an empty calibration set. While calibrating, DataError when a Linear's inputs are NaN/inf."""
     t0 = time.time()
     if not isinstance(config, PTQConfig):
         raise TypeError(f"config must be a PTQConfig, got {type(config).__name__}")
-    spec = config.weight_spec
+    recipe = config.ptq_recipe
+    spec, act_rule = _legacy_nvfp4(recipe)
     method = config.make_method()
     request = method.statistics()
-    act_rule = config.act_scale_rule if config.activations == "w4a4" else None
     report = PTQReport(config=config.to_dict())
     layers = decoder_layers(model)
     prefix = next(n for n, m in model.named_modules() if m is layers)
     home = next(model.parameters()).device
     device = torch.device(device) if device is not None else home
-    per_layer, warned = _preflight(model, layers, prefix, config, calibration, report)
+    per_layer, schemes, warned = _preflight(model, layers, prefix, config, calibration, report)
     report.layers = len(layers)
 
     inputs: Optional[list[LayerInput]] = None
@@ -201,12 +228,18 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
 
             stats = record()
             with torch.no_grad():
-                alphas = method.transform_layer(LayerContext(layer, i, linears, stats, spec, act_rule))
-            if alphas and (config.activations == "w4a4" or method.quantizes_with_statistics):
+                alphas = method.transform_layer(LayerContext(layer, i, linears, stats, spec, act_rule,
+                                                             {n: schemes[n] for n in linears}))
+            static = any(schemes[n].static_activations for n in linears)
+            if alphas and (static or method.quantizes_with_statistics):
                 stats = record()
         fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
         with torch.no_grad():
-            _quantize_linears(model, linears, stats, config, method, spec, report, alphas, fallback)
+            _quantize_linears(model, linears, stats, schemes, method, report, alphas, fallback)
+        if recipe.kv_cache is not None and inputs is not None:
+            entries, kv_notes = calibrate_kv(layer, f"{prefix}.{i}", inputs, device, recipe.kv_cache.per_head)
+            report.kv_cache.update(entries)
+            report.warnings.extend(kv_notes)
         if inputs is not None and i + 1 < len(layers):
             inputs = run_layer(layer, inputs, device)
         layer.to(home)

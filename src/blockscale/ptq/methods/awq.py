@@ -1,9 +1,11 @@
-"""AWQ (activation-aware weight quantization, Lin et al., 2024) for NVFP4.
+"""AWQ (activation-aware weight quantization, Lin et al., 2024) for NVFP4, FP8 and MX.
 
 Scale up the weight columns of input channels whose activations are large (they matter most to the
 output): per-input-channel scales ``s = x_mean^alpha / w_mean^(1-alpha)``, one exponent ``alpha`` per
 smoothing group chosen by a grid search of the measured quantized output error (``awq_search``), folded
 into the preceding norm / linear (the full-precision function is unchanged); then the weights are RTN.
+The error of a candidate is measured with the group's PTQ scheme (its weight format and shared scale,
+its activation quantizer), so an FP8 or MX group searches against FP8 / MX rounding.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ...quant import NVFP4, fake_quantize
 from ...quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale, shared_outer_scale
 from ..options import check_options, option
 from ..protocol import PTQMethod
+from ..scheme_quantize import group_weight_scale, input_quantizer, rtn_quantize
 from ..smoothing import FLOAT_DTYPES, check_smoothable, check_weights, smooth_layer
 from ..statistics import StatisticsRequest
 
@@ -98,8 +101,9 @@ _CHUNK_ELEMS = 1 << 24
 _CACHE_ELEMS = 1 << 26
 
 
-def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: NVFP4, *, act_scale_rule: Optional[str] = None,
-               n_grid: int = 20, duo_scaling: bool = True, max_tokens: int = 4096) -> AWQResult:
+def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: Optional[NVFP4], *,
+               act_scale_rule: Optional[str] = None, n_grid: int = 20, duo_scaling: bool = True,
+               max_tokens: int = 4096, scheme=None) -> AWQResult:
     """AWQ grid search of per-input-channel scales for one group of linears sharing the input x.
 
     x: [..., K] the calibration inputs the consumers actually see (any leading dims; flattened to
@@ -115,6 +119,12 @@ def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: NVFP4, *,
     n_grid: alphas i / n_grid for i = 0 .. n_grid-1; alpha = 0 is s = 1 (the baseline).
     duo_scaling: s = x_mean^alpha / w_mean^(1-alpha) (AutoAWQ's default) instead of x_mean^alpha;
       w_mean = mean over all the group's rows of |W| / (max |W| of the row).
+    scheme: instead of ``spec`` / ``act_scale_rule`` (pass spec=None), a ``recipes.Scheme`` of any
+      family: the weights are rounded as PTQ rounds them (``scheme_quantize.rtn_quantize`` with the
+      group's shared scale ``group_weight_scale(scheme, W'_i)``: the NVFP4 outer scale, the FP8
+      per-tensor scale) and the activations as the scheme's module quantizes them
+      (``scheme_quantize.input_quantizer``, a static scale from max|x / s|). An NVFP4 scheme is the
+      same search as its spec and act_scale_rule.
 
     For each alpha: W' = W * s (rounded to the weight dtype, as ``fold_smoothing`` stores it),
     Q = fake_quantize(W'_i, spec, encode_scale=S), X' = x / s (quantized for W4A4), and the error is
@@ -122,10 +132,19 @@ def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: NVFP4, *,
     the least error wins (ties: the smaller alpha), so ``error <= baseline_error`` always.
     """
     fn = "awq_search"
-    if not isinstance(spec, NVFP4):
+    if scheme is not None:
+        if spec is not None or act_scale_rule is not None:
+            raise ValueError(f"{fn}: pass either scheme or spec / act_scale_rule, not both")
+        if scheme.family == "none":
+            raise ValueError(f"{fn}: scheme {scheme.name!r} keeps the weights in high precision: nothing to search")
+        if scheme.family == "nvfp4":
+            spec = scheme.weight_spec
+            act_scale_rule = scheme.act_scale_rule if scheme.name == "nvfp4-w4a4" else None
+            scheme = None
+    if scheme is None and not isinstance(spec, NVFP4):
         raise TypeError(f"{fn}: spec must be a blockscale.quant.NVFP4, got {type(spec).__name__} "
-                        "(AWQ here searches NVFP4 weight scales)")
-    if spec.rounding != "nearest":
+                        "(AWQ with an NVFP4 spec; pass scheme=... for FP8 / MX)")
+    if scheme is None and spec.rounding != "nearest":
         raise ValueError(f"{fn}: spec.rounding={spec.rounding!r}; the search needs deterministic rounding "
                          "(rounding='nearest')")
     if act_scale_rule is not None and act_scale_rule not in INPUT_SCALE_RULES:
@@ -160,7 +179,28 @@ def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: NVFP4, *,
     W = torch.cat([w.float() for w in ws], 0)  # [N, K] reference weights
     N = W.shape[0]
     w_mean = _weight_mean(W) if duo_scaling else None
-    act_spec = None if act_scale_rule is None else NVFP4(scale_rule=act_scale_rule)
+    if scheme is None:  # NVFP4 spec: weights with the group's outer scale, W4A4 activations
+        act_spec = None if act_scale_rule is None else NVFP4(scale_rule=act_scale_rule)
+
+        def quantize_weights(Wp):
+            S = shared_outer_scale(Wp, spec.outer_bound)
+            return torch.cat([fake_quantize(w, spec, encode_scale=S, dtype=torch.float32) if w.numel()
+                              else w.float() for w in Wp], 0)
+
+        def act_quantizer(s):
+            a_enc = input_encode_scale(float((x_absmax / s).max()), act_scale_rule).to(dev)
+            return lambda xc: fake_quantize(xc, act_spec, encode_scale=a_enc, check_finite=False)
+    else:  # any scheme: as PTQ quantizes the group
+        wspec = scheme.weight_spec
+        act_spec = True if scheme.quantizes_activations else None
+
+        def quantize_weights(Wp):
+            S = group_weight_scale(scheme, Wp)
+            return torch.cat([rtn_quantize(w, wspec, S).dequantize(torch.float32) if w.numel()
+                              else w.float() for w in Wp], 0)
+
+        def act_quantizer(s):
+            return input_quantizer(scheme, float((x_absmax / s).max()))
 
     if act_spec is None:
         # ||x F^T||^2 = ||R F^T||^2 with x = QR: one QR of the tokens, then a [min(T,K), K] x [K, N]
@@ -174,20 +214,18 @@ def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: NVFP4, *,
 
     def error_of(s: torch.Tensor) -> float:
         Wp = [(w.float() * s).to(w.dtype) for w in ws]
-        S = shared_outer_scale(Wp, spec.outer_bound)
-        Q = torch.cat([fake_quantize(w, spec, encode_scale=S, dtype=torch.float32) if w.numel()
-                       else w.float() for w in Wp], 0)
+        Q = quantize_weights(Wp)
         if act_spec is None:
             F = Q / s - W  # effective weight error in the original coordinates: X'Q^T - xW^T = x F^T
             total = 0.0
             for r0 in range(0, R.shape[0], rows_per_chunk):
                 total += float((R[r0:r0 + rows_per_chunk] @ F.T).square().sum(dtype=torch.float64))
             return total / (T * N)
-        a_enc = input_encode_scale(float((x_absmax / s).max()), act_scale_rule).to(dev)
+        aq = act_quantizer(s)
         total = 0.0
         for r0 in range(0, T, rows_per_chunk):
             xc = xs[r0:r0 + rows_per_chunk]
-            xq = fake_quantize(xc / s, act_spec, encode_scale=a_enc, check_finite=False)
+            xq = aq(xc / s)
             ref = Y[r0:r0 + rows_per_chunk] if Y is not None else xc @ W.T
             diff = torch.addmm(ref, xq, Q.T, beta=-1.0)  # xq Q^T - x W^T
             total += float(diff.square().sum(dtype=torch.float64))
@@ -232,9 +270,16 @@ class AWQ(PTQMethod):
     def transform_layer(self, layer) -> dict[str, float]:
         o = self.options
 
+        names = {id(m): n for n, m in layer.linears.items()}
+
         def choose(group, st, weights):
-            res = awq_search(st.sample(), weights, layer.weight_spec, act_scale_rule=layer.act_scale_rule,
-                             n_grid=o.grid, duo_scaling=o.duo_scaling, max_tokens=o.max_tokens)
+            scheme = layer.schemes[names[id(group.linears[0])]] if layer.schemes else None
+            if scheme is None:  # the flat NVFP4 context
+                kw = dict(spec=layer.weight_spec, act_scale_rule=layer.act_scale_rule)
+            else:
+                kw = dict(spec=None, scheme=scheme)
+            res = awq_search(st.sample(), weights, n_grid=o.grid, duo_scaling=o.duo_scaling,
+                             max_tokens=o.max_tokens, **kw)
             return res.scales, res.alpha
 
         return smooth_layer(layer, self.name, choose)

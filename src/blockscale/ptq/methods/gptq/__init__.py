@@ -1,6 +1,8 @@
-"""GPTQ for NVFP4: the algorithm (``gptq_quantize``), its options, and the PTQ method."""
+"""GPTQ: the NVFP4 algorithm (``gptq_quantize``), the fixed-grid FP8 / MX one (``gptq_fixed_grid``), their
+options, and the PTQ method."""
 from .algorithm import gptq_quantize
+from .fixed_grid import gptq_fixed_grid
 from .method import GPTQ
 from .options import BLOCK, FOUR_OVER_SIX_MODES, GPTQOptions
 
-__all__ = ["BLOCK", "FOUR_OVER_SIX_MODES", "GPTQ", "GPTQOptions", "gptq_quantize"]
+__all__ = ["BLOCK", "FOUR_OVER_SIX_MODES", "GPTQ", "GPTQOptions", "gptq_fixed_grid", "gptq_quantize"]

@@ -1,9 +1,12 @@
-"""``method="gptq"``: GPTQ on each Linear's calibration Hessian, with the group's outer scale."""
+"""``method="gptq"``: GPTQ on each Linear's calibration Hessian, with the group's shared scale: NVFP4
+(``gptq_quantize``, with the group's outer scale) or FP8 / MX (``gptq_fixed_grid``: fixed scales)."""
 from __future__ import annotations
 
+from ....quant import NVFP4
 from ...protocol import PTQMethod, QuantizedWeight
 from ...statistics import StatisticsRequest
 from .algorithm import gptq_quantize
+from .fixed_grid import gptq_fixed_grid
 from .options import GPTQOptions
 
 
@@ -25,7 +28,10 @@ class GPTQ(PTQMethod):
         if H is None:
             return QuantizedWeight(super().quantize_weight(weight, stats, spec, encode_scale).q,
                                    "no calibration tokens: RTN")
-        q, _ = gptq_quantize(weight, H, spec, encode_scale, self.options)
+        if isinstance(spec, NVFP4):
+            q, _ = gptq_quantize(weight, H, spec, encode_scale, self.options)
+        else:
+            q, _ = gptq_fixed_grid(weight, H, spec, encode_scale, self.options)
         return QuantizedWeight(q)
 
 

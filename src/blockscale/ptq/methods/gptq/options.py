@@ -19,6 +19,8 @@ class GPTQOptions:
     four_over_six: for ``scale_rule="4over6"``: "aware" (choose 4 or 6 per block by the GPTQ loss
       inside the loop) or "plain" (the 4/6 rule on the group's current weights). Ignored for
       other rules, and for static groups (plain 4/6 on the original weights).
+    FP8 / MX Linears of a mixed recipe (``gptq_fixed_grid``) take damp, block_size (rounded up to whole
+    32-column MX groups), act_order and static_groups; four_over_six applies to NVFP4 Linears only.
     """
 
     damp: float = option(0.01, "GPTQ dampening, relative to mean(diag(H))", lo=0.0, hi=1.0, hi_open=True)

@@ -1,0 +1,363 @@
+"""compressed-tensors checkpoints with FP8 / MX Linears, several schemes and FP8 KV-cache scales
+(the ``MixedFormat`` of the compressed-tensors format; all-NVFP4 checkpoints without KV scales keep
+``compressed_tensors``' single-group form).
+
+Per scheme one ``config_groups`` entry whose ``weights`` / ``input_activations`` are the args
+compressed-tensors 0.20.1's presets dump (``quant_scheme.py``: FP8, FP8_DYNAMIC, FP8_BLOCK, MXFP8,
+MXFP8A16, MXFP4, MXFP4A16, NVFP4, NVFP4A16; key order of ``QuantizationArgs.model_dump``) and the
+format compressed-tensors' ``infer_module_format`` picks (``compressors/format.py``):
+
+    nvfp4-*              nvfp4-pack-quantized  weight_packed u8 [N,K/2], weight_scale e4m3 [N,K/16],
+                                               weight_global_scale f32 [1] (+ input_global_scale [1])
+    fp8 W8A8 / block     float-quantized       weight e4m3 [N,K], weight_scale f32 [1] | [N,1] |
+    fp8 weights only     naive-quantized         [ceil(N/128), ceil(K/128)] (+ input_scale f32 [1], static)
+    mxfp8 / mxfp8-w8a16  mxfp8-quantized       weight e4m3 [N,K], weight_scale u8 [N,K/32] (UE8M0)
+    mxfp4 / mxfp4-w4a16  mxfp4-pack-quantized  weight_packed u8 [N,K/2], weight_scale u8 [N,K/32]
+
+Targets: ``["Linear"]`` when every quantized Linear has one scheme (``ignore`` lists the rest), else
+the exact module names, sorted. Top-level ``format``: the groups' format when they share one, else
+"mixed-precision" (``_flatten_formats``). KV cache: ``kv_cache_scheme`` = {num_bits 8, float,
+symmetric, strategy "tensor" (vLLM's only one) or "attn_head", dynamic false} and ``<attn>.k_scale`` /
+``<attn>.v_scale`` FP32 [1] (attn_head: [H_kv, 1, 1], compressed-tensors' ``initialize_qparams``
+shape), the names vLLM's ``maybe_remap_kv_scale_name`` maps to ``<attn>.attn.k_scale``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+import torch
+
+from . import schema
+from .module_schemes import ModuleScheme
+from .registry import MixedFormat, ParsedConfig
+
+QUANT_METHOD = "compressed-tensors"
+SCHEMA_VERSION = "0.20.1"
+NVFP4_FORMAT, MIXED = "nvfp4-pack-quantized", "mixed-precision"
+FLOAT, NAIVE, MXFP8, MXFP4 = "float-quantized", "naive-quantized", "mxfp8-quantized", "mxfp4-pack-quantized"
+E4M3_SCALE, U8_SCALE = "torch.float8_e4m3fn", "torch.uint8"
+TILE, MX_BLOCK, NVFP4_BLOCK = 128, 32, 16
+_QC = "quantization_config"
+ConfigError = schema.ConfigError
+
+
+def _a(num_bits: int, strategy: str, *, group_size=None, dynamic=False, scale_dtype=None, observer=None,
+       block_structure=None) -> dict:
+    """QuantizationArgs as compressed-tensors dumps them (its key order, unset options left out)."""
+    a = {"num_bits": num_bits, "type": "float", "symmetric": True, "group_size": group_size, "strategy": strategy}
+    if block_structure is not None:
+        a["block_structure"] = list(block_structure)
+    a["dynamic"] = dynamic
+    if scale_dtype is not None:
+        a["scale_dtype"] = scale_dtype
+    if observer is not None:
+        a["observer"] = observer
+    return a
+
+
+def group_format(s: ModuleScheme) -> str:
+    if s.kind == "nvfp4":
+        return NVFP4_FORMAT
+    if s.kind == "fp8":
+        return FLOAT if s.inputs else NAIVE
+    return MXFP8 if s.weights == "e4m3" else MXFP4
+
+
+def scheme_args(s: ModuleScheme) -> tuple[dict, Optional[dict]]:
+    """(weights, input_activations) of a scheme's config group."""
+    if s.kind == "nvfp4":
+        w = _a(4, "tensor_group", group_size=NVFP4_BLOCK, scale_dtype=E4M3_SCALE)
+        i = _a(4, "tensor_group", group_size=NVFP4_BLOCK, dynamic="local", scale_dtype=E4M3_SCALE,
+               observer="static_minmax") if s.inputs else None
+        return w, i
+    if s.kind == "fp8":
+        w = _a(8, s.weights, block_structure=(TILE, TILE) if s.weights == "block" else None)
+        i = {None: None, "tensor": _a(8, "tensor", observer="static_minmax"), "token": _a(8, "token", dynamic=True),
+             "block": _a(8, "group", group_size=TILE, dynamic=True)}[s.inputs]
+        return w, i
+    bits = 8 if s.weights == "e4m3" else 4
+    w = _a(bits, "group", group_size=MX_BLOCK, scale_dtype=U8_SCALE)
+    return w, (_a(bits, "group", group_size=MX_BLOCK, dynamic=True, scale_dtype=U8_SCALE) if s.inputs else None)
+
+
+def kv_cache_scheme(kv: str) -> dict:
+    return _a(8, "tensor" if kv == "tensor" else "attn_head")
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+def check(schemes: dict, kv: Optional[str]) -> None:
+    """compressed-tensors stores every scheme (vLLM loads kv_cache_scheme strategy "tensor" only)."""
+    return None
+
+
+def _groups(schemes: dict) -> dict[ModuleScheme, list[str]]:
+    by: dict[ModuleScheme, list[str]] = {}
+    for name, s in schemes.items():
+        by.setdefault(s, []).append(name)
+    return by
+
+
+def quantization_config(schemes: dict, ignore: list, producer: dict, blockscale: dict, kv: Optional[str]) -> dict:
+    """config.json ``quantization_config`` (see the module docstring)."""
+    by = _groups(schemes)
+    groups = {}
+    for i, (s, names) in enumerate(by.items()):
+        w, a = scheme_args(s)
+        groups[f"group_{i}"] = {"targets": ["Linear"] if len(by) == 1 else sorted(names), "weights": w,
+                                "input_activations": a, "output_activations": None, "format": group_format(s)}
+    formats = {g["format"] for g in groups.values()}
+    return config_document(groups, formats.pop() if len(formats) == 1 else MIXED, ignore,
+                           kv_cache_scheme(kv) if kv else None, blockscale)
+
+
+def config_document(groups: dict, fmt: str, ignore: list, kv_cache: Optional[dict], blockscale: dict) -> dict:
+    """The whole ``quantization_config`` around the config groups, in the key order
+    ``ModelCompressor.update_config`` (0.20.1) dumps it."""
+    return {
+        "config_groups": groups,
+        "format": fmt,
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "kv_cache_scheme": kv_cache,
+        "moe_sparsity_config": None,
+        "quant_method": QUANT_METHOD,
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": SCHEMA_VERSION,
+        "blockscale": blockscale,
+    }
+
+
+def side_files(schemes: dict, ignore: list, producer: dict, kv: Optional[str]) -> dict:
+    return {}
+
+
+def module_tensors(s: ModuleScheme, N: int, K: int) -> dict:
+    """FP8 / MX module: on-disk suffix -> (allowed dtypes, allowed shapes). Scales of other producers
+    may be 16-bit (compressed-tensors gives them the observed dtype); ours are FP32."""
+    f32 = (torch.float32, torch.bfloat16, torch.float16)
+    if s.kind == "fp8":
+        shape = {"tensor": ((1,), ()), "channel": ((N, 1), (N,)),
+                 "block": ((math.ceil(N / TILE), math.ceil(K / TILE)),)}[s.weights]
+        d = {"weight": ((torch.float8_e4m3fn,), ((N, K),)), "weight_scale": (f32, shape)}
+        if s.inputs == "tensor":
+            d["input_scale"] = (f32, ((1,), ()))
+        return d
+    codes = ("weight", ((torch.float8_e4m3fn,), ((N, K),))) if s.weights == "e4m3" else \
+        ("weight_packed", ((torch.uint8,), ((N, K // 2),)))
+    return {codes[0]: codes[1], "weight_scale": ((torch.uint8,), ((N, K // MX_BLOCK),))}
+
+
+def export_module(s: ModuleScheme, bufs: dict) -> dict:
+    """compressed-tensors' names are the modules' buffer names: the tensors as they are."""
+    return dict(bufs)
+
+
+def read_module(s: ModuleScheme, t: dict) -> dict:
+    """On-disk tensors -> module buffers (FP32 scales in the module's shape)."""
+    out = dict(t)
+    if s.kind == "fp8":
+        N = t["weight"].shape[0]
+        ws = t["weight_scale"].to(torch.float32)
+        out["weight_scale"] = ws.reshape({"tensor": (1,), "channel": (N, 1)}.get(s.weights, ws.shape))
+        if "input_scale" in t:
+            out["input_scale"] = t["input_scale"].to(torch.float32).reshape(1)
+    return out
+
+
+def kv_names(attn: str) -> tuple[str, str]:
+    return f"{attn}.k_scale", f"{attn}.v_scale"
+
+
+def kv_export(t: torch.Tensor, per_head: bool) -> torch.Tensor:
+    t = t.detach().to(torch.float32)
+    return t.reshape(-1, 1, 1) if per_head else t.reshape(1)
+
+
+def kv_shapes(kv: str, heads: int) -> tuple:
+    return ((1,), ()) if kv == "tensor" else ((heads, 1, 1), (heads,))
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+# the fields compressed-tensors 0.20.1's QuantizationScheme / QuantizationArgs define (both forbid others)
+GROUP_FIELDS = ("targets", "weights", "input_activations", "output_activations", "format")
+ARGS_FIELDS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
+               "scale_dtype", "zp_dtype", "observer", "observer_kwargs")
+
+
+def _known(d: dict, allowed: tuple, key: str) -> None:
+    unknown = [k for k in d if k not in allowed]
+    if unknown:
+        raise ConfigError(f"{key}: unknown field(s) {schema.short(unknown, 120)} (compressed-tensors defines "
+                          f"{', '.join(allowed)})")
+
+
+def _bad(args: dict, want: dict) -> dict:
+    return {k: args.get(k) for k, v in want.items() if args.get(k) != v}
+
+
+def _nvfp4_args(args: dict, where: str, dynamic_ok) -> None:
+    want = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_BLOCK}
+    bad = _bad(args, want)
+    if args.get("symmetric", True) is not True:
+        bad["symmetric"] = args.get("symmetric")
+    if args.get("dynamic") not in dynamic_ok:
+        bad["dynamic"] = args.get("dynamic")
+    if args.get("scale_dtype") not in (None, E4M3_SCALE, "float8_e4m3fn"):
+        bad["scale_dtype"] = args.get("scale_dtype")
+    if bad:
+        raise ConfigError(f"{_QC}.{where}: {schema.short(bad, 200)} is not NVFP4 (expected num_bits 4, type float, "
+                          f"strategy tensor_group, group_size 16, symmetric, dynamic in {dynamic_ok})")
+
+
+def _common_bad(args: dict, bits: int) -> dict:
+    bad = _bad(args, {"num_bits": bits, "type": "float"})
+    if args.get("symmetric", True) is not True:
+        bad["symmetric"] = args.get("symmetric")
+    return bad
+
+
+def _fp8_weights(args: dict, where: str) -> str:
+    bad = _common_bad(args, 8)
+    strategy = args.get("strategy")
+    if strategy not in ("tensor", "channel", "block"):
+        bad["strategy"] = strategy
+    elif strategy == "block" and list(args.get("block_structure") or []) != [TILE, TILE]:
+        bad["block_structure"] = args.get("block_structure")
+    if args.get("dynamic") not in (False, None):
+        bad["dynamic"] = args.get("dynamic")
+    if bad:
+        raise ConfigError(f"{_QC}.{where}: {schema.short(bad, 200)} is not an FP8 weight scheme blockscale loads "
+                          "(num_bits 8, type float, symmetric, static, strategy tensor / channel / block with "
+                          "block_structure [128, 128])")
+    return strategy
+
+
+def _fp8_inputs(args: dict, where: str) -> str:
+    bad = _common_bad(args, 8)
+    got = (args.get("strategy"), args.get("dynamic"), args.get("group_size"))
+    kinds = {("tensor", False): "tensor", ("token", True): "token", ("group", True): "block"}
+    kind = kinds.get(got[:2])
+    if kind is None or (kind == "block" and got[2] != TILE):
+        bad["strategy/dynamic/group_size"] = list(got)
+    if bad:
+        raise ConfigError(f"{_QC}.{where}: {schema.short(bad, 200)} is not an FP8 activation scheme blockscale loads "
+                          "(num_bits 8, type float, symmetric; strategy tensor static, token dynamic, or group "
+                          "dynamic with group_size 128)")
+    return kind
+
+
+def _mx_args(args: dict, where: str, bits: int, dynamic: bool) -> None:
+    bad = _common_bad(args, bits)
+    bad.update(_bad(args, {"strategy": "group", "group_size": MX_BLOCK}))
+    if bool(args.get("dynamic")) is not dynamic or (dynamic and args.get("dynamic") is not True):
+        bad["dynamic"] = args.get("dynamic")
+    if args.get("scale_dtype") not in (None, U8_SCALE, "uint8"):
+        bad["scale_dtype"] = args.get("scale_dtype")
+    if bad:
+        raise ConfigError(f"{_QC}.{where}: {schema.short(bad, 200)} is not MXFP{bits} (expected num_bits {bits}, "
+                          f"type float, symmetric, strategy group, group_size 32, scale_dtype torch.uint8, dynamic "
+                          f"{str(dynamic).lower()})")
+
+
+def _group_scheme(group: dict, gname: str, top_format) -> ModuleScheme:
+    key = f"{_QC}.config_groups.{gname}"
+    fmt = schema.string(group.get("format"), f"{key}.format") or top_format
+    if fmt in (None, MIXED):
+        raise ConfigError(f"{key}.format: missing; with {_QC}.format {schema.short(top_format)} every group must "
+                          "name its format")
+    where = f"config_groups.{gname}"
+    weights = schema.obj(group.get("weights"), f"{key}.weights")
+    acts = schema.obj(group.get("input_activations"), f"{key}.input_activations", optional=True)
+    _known(group, GROUP_FIELDS, key)
+    _known(weights, ARGS_FIELDS, f"{key}.weights")
+    _known(acts, ARGS_FIELDS, f"{key}.input_activations")
+    if weights.get("actorder") is not None:
+        raise ConfigError(f"{key}.weights.actorder {schema.short(weights.get('actorder'))}: activation reordering "
+                          "is not supported")
+    if group.get("output_activations"):
+        raise ConfigError(f"{key}.output_activations: output activation quantization is not supported")
+    if fmt == NVFP4_FORMAT:
+        _nvfp4_args(weights, f"{where}.weights", (False, None))
+        if acts:
+            _nvfp4_args(acts, f"{where}.input_activations", ("local",))
+        return ModuleScheme("nvfp4", "nvfp4", "nvfp4" if acts else None)
+    if fmt in (FLOAT, NAIVE):
+        w = _fp8_weights(weights, f"{where}.weights")
+        return ModuleScheme("fp8", w, _fp8_inputs(acts, f"{where}.input_activations") if acts else None)
+    if fmt in (MXFP8, MXFP4):
+        bits, element = (8, "e4m3") if fmt == MXFP8 else (4, "e2m1")
+        _mx_args(weights, f"{where}.weights", bits, False)
+        if acts:
+            _mx_args(acts, f"{where}.input_activations", bits, True)
+        return ModuleScheme("mx", element, element if acts else None)
+    raise ConfigError(f"{_QC}: format {schema.short(fmt)} of {key} is not one blockscale loads ("
+                      f"{', '.join(map(repr, (NVFP4_FORMAT, FLOAT, NAIVE, MXFP8, MXFP4)))})")
+
+
+def _kv(v) -> Optional[str]:
+    key = f"{_QC}.kv_cache_scheme"
+    if v is None:
+        return None
+    args = schema.obj(v, key, optional=True)
+    _known(args, ARGS_FIELDS, key)
+    bad = _common_bad(args, 8)
+    if args.get("dynamic") is not False:
+        bad["dynamic"] = args.get("dynamic")
+    if args.get("strategy") not in ("tensor", "attn_head"):
+        bad["strategy"] = args.get("strategy")
+    if bad:
+        raise ConfigError(f"{key}: {schema.short(bad, 200)} is not an FP8 KV cache blockscale loads (num_bits 8, "
+                          "type float, symmetric, dynamic false, strategy tensor or attn_head)")
+    return "tensor" if args["strategy"] == "tensor" else "head"
+
+
+def _matcher(patterns: list, key: str):
+    exact = {p for p in patterns if not p.startswith("re:")}
+    idx = [i for i, p in enumerate(patterns) if p.startswith("re:")]
+    regs = schema.regexes([patterns[i][3:] for i in idx], key, idx)
+    return exact, regs
+
+
+def parse(qcfg: Optional[dict], side: Mapping[str, dict]) -> ParsedConfig:
+    """The per-module schemes config.json's ``quantization_config`` describes; ``ConfigError`` naming
+    the key of any malformed or unsupported field. A module's group: the one naming it exactly, else
+    the first whose ``re:`` target matches (``re.match``), else the first targeting ``Linear``."""
+    qcfg = schema.obj(qcfg, _QC)
+    if qcfg.get("quant_method") != QUANT_METHOD:
+        raise ConfigError(f"{_QC}.quant_method {schema.short(qcfg.get('quant_method'))} is not {QUANT_METHOD!r}")
+    groups = schema.obj(qcfg.get("config_groups"), f"{_QC}.config_groups")
+    if not groups:
+        raise ConfigError(f"{_QC}.config_groups: no config group (nothing is quantized)")
+    top = schema.string(qcfg.get("format"), f"{_QC}.format")
+    table = []
+    for gname, group in groups.items():
+        key = f"{_QC}.config_groups.{gname}"
+        group = schema.obj(group, key)
+        scheme = _group_scheme(group, gname, top)
+        targets = schema.str_list(group.get("targets"), f"{key}.targets")
+        exact, regs = _matcher(targets, f"{key}.targets")
+        table.append((scheme, exact, regs, bool({"Linear", "nn.Linear"} & exact)))
+    kv = _kv(qcfg.get("kv_cache_scheme"))
+    ig_exact, ig_regs = _matcher(schema.str_list(qcfg.get("ignore"), f"{_QC}.ignore"), f"{_QC}.ignore")
+
+    def scheme_of(name: str) -> Optional[ModuleScheme]:
+        if name in ig_exact or any(r.match(name) for r in ig_regs):
+            return None
+        for test in (lambda e, r, t: name in e, lambda e, r, t: any(x.match(name) for x in r),
+                     lambda e, r, t: t):
+            for scheme, e, r, t in table:
+                if test(e, r, t):
+                    return scheme
+        return None
+
+    return ParsedConfig(scheme_of=scheme_of, kv=kv)
+
+
+MIXED_FORMAT = MixedFormat(check=check, quantization_config=quantization_config, side_files=side_files,
+                           module_tensors=module_tensors, export_module=export_module, read_module=read_module,
+                           kv_names=kv_names, kv_export=kv_export, kv_shapes=kv_shapes, parse=parse)
+
+__all__ = ["MIXED_FORMAT", "group_format", "kv_cache_scheme", "parse", "quantization_config", "scheme_args"]

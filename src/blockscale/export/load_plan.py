@@ -1,0 +1,227 @@
+"""What a checkpoint must hold, from a meta-device build of the model its config describes, and the
+checks of the stored tensors against it (names, dtypes, shapes, then values), made before anything
+is allocated. Each quantized Linear has the ``ModuleScheme`` the format's config gives it: NVFP4
+modules use the format's NVFP4 callables (``tensor_names``, ``expected_tensors``, ``decode_scale``),
+FP8 / MX modules and KV-cache scales its ``MixedFormat``."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..nn.kv_cache import attention_modules
+from .common import CheckpointError, tied_targets
+from .files import Shards
+from .module_schemes import ModuleRules, ModuleScheme
+from .registry import CheckpointFormat, ParsedConfig
+from .shared_scales import check_shared_scales, sibling_groups
+from .validate import (check_block_scales, check_decode_range, check_finite, check_fp8_codes, check_fp8_range,
+                       check_mx_finite, check_outer_scale, check_positive, check_ue8m0)
+
+KV_WHICH = ("k_scale", "v_scale")
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class QLinear:
+    in_features: int
+    out_features: int
+    bias: bool
+    scheme: ModuleScheme
+    rules: ModuleRules
+
+
+@dataclass
+class Plan:
+    quantized: dict  # module name -> QLinear
+    expected_q: dict  # tensor name -> (module, on-disk suffix, allowed dtypes, allowed shapes)
+    plain: dict  # tensor name -> (dtype, shape)
+    model_bytes: int
+    kv: dict = field(default_factory=dict)  # tensor name -> (attention module, "k_scale" | "v_scale", shapes)
+    kv_granularity: Optional[str] = None
+
+    @property
+    def all_nvfp4(self) -> bool:
+        return all(q.scheme.is_nvfp4 for q in self.quantized.values())
+
+
+def _unshared(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The meta model's state without tied copies (what ``drop_shared`` keeps on a real model)."""
+    state = model.state_dict(keep_vars=True)
+    targets = tied_targets(model)
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for k, t in state.items():
+        by_id[id(t)].append(k)
+    drop = set()
+    for names in by_id.values():
+        keep = ([n for n in names if n not in targets] or names)[:1]
+        drop.update(n for n in names if n not in keep)
+    return {k: t for k, t in state.items() if k not in drop}
+
+
+def _rules(name: str, s: ModuleScheme, bs: dict) -> ModuleRules:
+    if s.kind == "nvfp4" and s.inputs:
+        o = bs["input_overrides"].get(name, {})
+        return ModuleRules(o.get("input_scale_rule") or bs["input_scale_rule"] or "6",
+                           o.get("input_error") or bs["input_error"] or "mse")
+    if s.kind == "mx":
+        return ModuleRules(scale_rule=bs["mx_scale_overrides"].get(name) or bs["mx_scale_rule"] or "ceil")
+    return ModuleRules()
+
+
+def _kv_heads(attn: nn.Module, cfg: dict) -> int:
+    head_dim = getattr(attn, "head_dim", None)
+    n = attn.k_proj.out_features
+    if isinstance(head_dim, int) and head_dim > 0 and n % head_dim == 0:
+        return n // head_dim
+    return int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 1)
+
+
+def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: CheckpointFormat, config_path: Path,
+               cfg: dict) -> Plan:
+    quantized: dict[str, QLinear] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        s = parsed.scheme_of(name)
+        if s is None:
+            continue
+        if s.kind == "nvfp4" and m.in_features % 16:
+            raise CheckpointError(f"{config_path}: {name}: in_features={m.in_features} is not a multiple of 16, so it "
+                                  "cannot be NVFP4; the quantization config should list it in ignore / exclude_modules")
+        if s.kind == "mx" and m.in_features % 32:
+            raise CheckpointError(f"{config_path}: {name}: in_features={m.in_features} is not a multiple of 32, so it "
+                                  f"cannot be {s.name}; the quantization config should list it in ignore / "
+                                  "exclude_modules")
+        quantized[name] = QLinear(m.in_features, m.out_features, m.bias is not None, s, _rules(name, s, bs))
+    expected_q = {}
+    for name, q in quantized.items():
+        if q.scheme.is_nvfp4:
+            want = {suf: ((dt,), shapes) for suf, (dt, shapes) in
+                    fmt.expected_tensors(q.in_features, q.out_features, bool(q.scheme.inputs)).items()}
+        else:
+            want = fmt.mixed.module_tensors(q.scheme, q.out_features, q.in_features)
+        for suffix, (dts, shapes) in want.items():
+            expected_q[f"{name}.{suffix}"] = (name, suffix, tuple(dts), tuple(tuple(s) for s in shapes))
+    plain = {k: (t.dtype, tuple(t.shape)) for k, t in _unshared(model).items()
+             if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2] != "bias")}
+    kv = {}
+    if parsed.kv:
+        for attn_name, attn in attention_modules(model).items():
+            shapes = tuple(tuple(s) for s in fmt.mixed.kv_shapes(parsed.kv, _kv_heads(attn, cfg)))
+            for which, key in zip(KV_WHICH, fmt.mixed.kv_names(attn_name)):
+                kv[key] = (attn_name, which, shapes)
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[id(t)] = t.numel() * t.element_size()
+    return Plan(quantized, expected_q, plain, sum(seen.values()), kv, parsed.kv)
+
+
+def _list(names, k=8) -> str:
+    names = sorted(names)
+    return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "")
+
+
+def _describe(plan: Plan) -> str:
+    if plan.all_nvfp4 and not plan.kv:
+        w4a4 = any(q.scheme.inputs for q in plan.quantized.values())
+        return f"{'W4A4' if w4a4 else 'W4A16'}, {len(plan.quantized)} NVFP4 Linears"
+    names = sorted({q.scheme.name for q in plan.quantized.values()})
+    kv = f", FP8 KV-cache scales per {'layer' if plan.kv_granularity == 'tensor' else 'head'}" if plan.kv else ""
+    return f"{' + '.join(names)}, {len(plan.quantized)} quantized Linears{kv}"
+
+
+def _dtypes(dts) -> str:
+    return " or ".join(str(d) for d in dts)
+
+
+def check_plan(plan: Plan, shards: Shards, root: Path, fmt_name: str, explicit: bool) -> None:
+    """Names, dtypes and shapes of every expected tensor against the headers."""
+    present, expected = set(shards.infos), set(plan.expected_q) | set(plan.plain) | set(plan.kv)
+    missing, unexpected = expected - present, present - expected
+    if missing or unexpected:
+        msg = [f"{root}: the tensors do not match the config ({fmt_name}, {_describe(plan)})"]
+        if missing:
+            msg.append(f"missing: {_list(missing)}")
+        if unexpected:
+            msg.append(f"unexpected: {_list(unexpected)}")
+        raise CheckpointError("; ".join(msg))
+    for key in sorted(expected):
+        t, f = shards.infos[key], shards.path(key)
+        if key in plan.expected_q or key in plan.kv:
+            dts, shapes = plan.expected_q[key][2:] if key in plan.expected_q else (KV_DTYPES, plan.kv[key][2])
+            if t.dtype not in dts or t.shape not in set(shapes):
+                want = " or ".join(str(list(s)) for s in shapes)
+                raise CheckpointError(f"{f}: tensor {key!r}: {t.dtype} {list(t.shape)}, expected {_dtypes(dts)} {want}")
+            continue
+        dt, shape = plan.plain[key]
+        if t.shape != shape:
+            raise CheckpointError(f"{f}: tensor {key!r}: shape {list(t.shape)}, the config implies {list(shape)}")
+        if t.dtype != dt and not (explicit and t.dtype.is_floating_point and dt.is_floating_point):
+            raise CheckpointError(f"{f}: tensor {key!r}: {t.dtype}, expected {dt} (the model dtype; pass dtype= to "
+                                  "cast)")
+
+
+def _check_nvfp4(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
+    scale, outer = fmt.suffix("weight_scale"), (fmt.suffix("weight_global_scale"), fmt.suffix("input_global_scale"))
+    nv = {n for n, q in plan.quantized.items() if q.scheme.is_nvfp4}
+    for key, (mod, suffix, _, _) in plan.expected_q.items():
+        if mod not in nv:
+            continue
+        if suffix == scale:
+            check_block_scales(key, shards.view(key), shards.path(key))
+        elif suffix in outer:
+            check_outer_scale(key, shards.view(key), shards.path(key))
+    for name in nv:
+        key = f"{name}.{outer[0]}"
+        stored = shards.view(key)
+        check_decode_range(key, stored, fmt.decode_scale(stored), shards.view(f"{name}.{scale}"), shards.path(key))
+
+
+def _check_nvfp4_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
+    outer = (fmt.suffix("weight_global_scale"), fmt.suffix("input_global_scale"))
+    nv = [n for n, q in plan.quantized.items() if q.scheme.is_nvfp4]
+    stored = {n: {s: shards.view(f"{n}.{s}") for s in outer if f"{n}.{s}" in plan.expected_q} for n in nv}
+    groups = sibling_groups(nv)
+    try:
+        for s in outer:
+            check_shared_scales({n: d.get(s) for n, d in stored.items()}, s, groups)
+    except ValueError as e:
+        raise CheckpointError(f"{root}: {e}") from None
+
+
+def _check_other(plan: Plan, shards: Shards) -> None:
+    for key, (mod, suffix, _, _) in plan.expected_q.items():
+        q = plan.quantized[mod]
+        s, t, f = q.scheme, shards.view(key), shards.path(key)
+        if s.is_nvfp4:
+            continue
+        if suffix == "weight":
+            check_fp8_codes(key, t, f)
+        elif suffix == "input_scale":
+            check_positive(key, t, f)
+        elif suffix == "weight_scale" and s.kind == "fp8":
+            check_positive(key, t, f)
+            check_fp8_range(key, t, f)
+        elif suffix == "weight_scale":
+            check_ue8m0(key, t, f)
+            codes = f"{mod}.{'weight' if s.weights == 'e4m3' else 'weight_packed'}"
+            check_mx_finite(codes, s.weights, shards.view(codes), t, (q.out_features, q.in_features), f)
+
+
+def check_values(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
+    """Every stored value (see ``validate``), fused NVFP4 siblings sharing their outer scales."""
+    _check_nvfp4(plan, shards, fmt, root)
+    _check_other(plan, shards)
+    for key in plan.kv:
+        check_positive(key, shards.view(key), shards.path(key))
+    for key in plan.plain:
+        check_finite(key, shards.view(key), shards.path(key))
+    _check_nvfp4_shared(plan, shards, fmt, root)
+
+
+__all__ = ["Plan", "QLinear", "build_plan", "check_plan", "check_values"]

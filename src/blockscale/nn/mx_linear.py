@@ -1,0 +1,144 @@
+"""MXLinear: the inference layer of an MXFP8 / MXFP4 post-training-quantized Linear.
+
+Weights are MX (OCP microscaling) along the input dim: one UE8M0 scale (biased exponent b,
+``2**(b - 127)``) per 32 inputs, E4M3 (MXFP8) or E2M1 (MXFP4) elements: ``w^ = v * 2**(b - 127)``
+(quant.mx numerics). ``y = x_q @ w^T + b`` where ``x_q = x`` (weights only) or x fake-quantized to
+MX with dynamic per-32 scales (``fake_quantize(x, MX(input_element, scale_rule))``).
+The dequantized weight is cached (not part of the state dict) and rebuilt when the buffers change.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UsageError
+from ..quant import MX, QuantizedTensor, fake_quantize
+from ..quant.mx import BLOCK, MX_SCALE_RULES
+from .fp8_linear import keep_buffer_dtypes
+from .straight_through import straight_through
+
+MX_LINEAR_ELEMENTS = ("e4m3", "e2m1")
+#: (element, input_element) -> scheme name
+MX_SCHEME_NAMES = {("e4m3", "e4m3"): "mxfp8", ("e2m1", "e2m1"): "mxfp4", ("e2m1", None): "mxfp4-w4a16",
+                   ("e4m3", None): "mxfp8-w8a16"}
+
+
+def _choices(values) -> str:
+    return ", ".join(map(repr, values))
+
+
+class MXLinear(nn.Module):
+    """Linear layer with MX weights (MXFP8 E4M3 or MXFP4 E2M1) and optionally MX activations.
+
+    Buffers (the checkpoint's tensors, compressed-tensors' names): MXFP8 ``weight`` float8_e4m3fn
+    [N, K]; MXFP4 ``weight_packed`` uint8 [N, K/2] (element 2i in the low nibble); both
+    ``weight_scale`` uint8 [N, K/32] (UE8M0 biased exponents). ``bias`` (if any) is a parameter in
+    the model dtype (requires_grad False). in_features must be a multiple of 32 (one scale per 32).
+    input_element: None (weights only) or the weight's element (MXFP8 x MXFP8, MXFP4 x MXFP4).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, element: str = "e4m3",
+                 input_element: Optional[str] = None, scale_rule: str = "ceil",
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        if element not in MX_LINEAR_ELEMENTS:
+            raise UsageError(f"element={element!r} is not supported; allowed values: {_choices(MX_LINEAR_ELEMENTS)}")
+        if input_element not in (None, element):
+            raise UsageError(f"input_element={input_element!r} with element={element!r}; allowed values: None "
+                             f"(weights only) or {element!r} (the schemes mxfp8 / mxfp4 quantize activations "
+                             "to the weights' element)")
+        if scale_rule not in MX_SCALE_RULES:
+            raise UsageError(f"scale_rule={scale_rule!r} is not supported; allowed values: {_choices(MX_SCALE_RULES)}")
+        if in_features < 1 or in_features % BLOCK or out_features < 1:
+            raise UsageError(f"in_features={in_features}: MX checkpoints need a positive multiple of {BLOCK} inputs "
+                             f"(one UE8M0 scale per {BLOCK}); keep this layer in high precision instead")
+        self.in_features, self.out_features = in_features, out_features
+        self.element, self.input_element, self.scale_rule = element, input_element, scale_rule
+        if element == "e2m1":
+            self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
+                                                              device=device))
+        else:
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                                       device=device))
+        # 127: 2**0, every block scale 1
+        self.register_buffer("weight_scale", torch.full((out_features, in_features // BLOCK), 127, dtype=torch.uint8,
+                                                        device=device))
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+        self._cache: Optional[tuple] = None
+        self._dtype = dtype
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The element buffer: ``weight_packed`` (MXFP4) or ``weight`` (MXFP8)."""
+        return self.weight_packed if self.element == "e2m1" else self.weight
+
+    @property
+    def scheme_name(self) -> str:
+        """"mxfp8", "mxfp4", "mxfp4-w4a16" or "mxfp8-w8a16" (weights only)."""
+        return MX_SCHEME_NAMES[(self.element, self.input_element)]
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_quantized(cls, q: QuantizedTensor, bias: Optional[torch.Tensor] = None, *,
+                       input_element: Optional[str] = None, scale_rule: Optional[str] = None,
+                       dtype: Optional[torch.dtype] = None) -> "MXLinear":
+        """Wrap an MX ``QuantizedTensor`` of a [N, K] weight blocked along K (``spec.dim`` -1 / 1);
+        scale_rule None: the spec's (it only matters for the activations)."""
+        spec = q.spec
+        if not isinstance(spec, MX) or len(q.shape) != 2:
+            raise UsageError(f"expected a 2-D MX QuantizedTensor, got {q!r}")
+        if spec.dim not in (-1, 1):
+            raise UsageError(f"q.spec.dim={spec.dim}: MXLinear weights are blocked along the input dim (dim=-1)")
+        N, K = q.shape
+        m = cls(K, N, bias is not None, element=spec.element, input_element=input_element,
+                scale_rule=scale_rule or spec.scale_rule,
+                dtype=dtype or (bias.dtype if bias is not None else q.dtype), device=q.codes.device)
+        for name, src, dst in (("codes", q.codes, m.codes), ("scales", q.scales, m.weight_scale)):
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise UsageError(f"q.{name} is {tuple(src.shape)}:{src.dtype}; expected "
+                                 f"{tuple(dst.shape)}:{dst.dtype} for MX {spec.element} of a ({N}, {K}) weight")
+            dst.copy_(src)
+        if bias is not None:
+            m.bias.data.copy_(bias.detach())
+        return m
+
+    def quantized_weight(self) -> QuantizedTensor:
+        """The weight as a quant.mx ``QuantizedTensor`` (shares the buffers)."""
+        return QuantizedTensor(spec=MX(self.element, self.scale_rule), codes=self.codes, scales=self.weight_scale,
+                               shape=torch.Size((self.out_features, self.in_features)), dtype=self._dtype)
+
+    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """w^ = v * 2**(b - 127) in FP32, cast to ``dtype`` (default: the layer's dtype); cached."""
+        dtype = dtype or self._dtype
+        codes = self.codes
+        key = (dtype, codes.device, codes._version, self.weight_scale._version, codes.data_ptr(),
+               self.weight_scale.data_ptr())
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self.quantized_weight().dequantize(dtype))
+        return self._cache[1]
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x fake-quantized to MX(input_element, scale_rule) with dynamic per-32 scales; else x."""
+        if self.input_element is None:
+            return x
+        return fake_quantize(x, MX(self.input_element, self.scale_rule), check_finite=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized_weight(x.dtype)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(straight_through(x, self.quantize_input), w, b)
+
+    def _apply(self, fn, recurse=True):
+        self._cache = None
+        return keep_buffer_dtypes(self, super()._apply, fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.scheme_name} (scale_rule={self.scale_rule})")
+
+
+__all__ = ["MXLinear", "MX_LINEAR_ELEMENTS", "MX_SCHEME_NAMES"]
