@@ -18,8 +18,8 @@ import yaml
 
 from ..errors import UsageError
 from .ptq_recipe import KVCacheScheme, PTQRecipe, PTQRule, Scheme
+from .serialize import MAX_RECIPE_BYTES, read_recipe_yaml
 
-MAX_RECIPE_BYTES = 1 << 20
 RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(PTQRecipe))
 RULE_KEYS = ("match", "scheme")
 KV_CACHE_KEYS = tuple(f.name for f in dataclasses.fields(KVCacheScheme))
@@ -120,19 +120,10 @@ def load_ptq_recipe_file(path) -> PTQRecipe:
     if not p.is_file():
         what = "a directory" if p.is_dir() else ("not a regular file" if p.exists() else "no such file")
         raise UsageError(f"{p}: {what}; a PTQ recipe is a YAML file")
-    size = p.stat().st_size
-    if size > MAX_RECIPE_BYTES:
-        raise UsageError(f"{p}: {size:,} bytes; a recipe file is at most {MAX_RECIPE_BYTES:,}")
     try:
-        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+        data = read_recipe_yaml(p, UsageError)
     except OSError as exc:
         raise UsageError(f"{p}: cannot read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except RecursionError:
-        raise UsageError(f"{p}: nested too deeply to be a recipe (the YAML parser's recursion limit)") from None
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{p}: not valid YAML: {' '.join(str(exc).split())}") from None
     try:
         return ptq_recipe_from_dict(data, where=str(p))
     except RecursionError:

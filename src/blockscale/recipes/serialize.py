@@ -136,18 +136,25 @@ def load_recipe_file(path) -> Recipe:
     """Read a recipe YAML file (safe loader; unknown keys, bad values, files over ``MAX_RECIPE_BYTES``,
     nesting too deep to parse and text that is not UTF-8 raise ValueError naming the file)."""
     p = Path(path)
-    size = p.stat().st_size
-    if size > MAX_RECIPE_BYTES:
-        raise ValueError(f"{p}: {size:,} bytes; a recipe file is at most {MAX_RECIPE_BYTES:,}")
-    try:
-        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except RecursionError:
-        raise ValueError(f"{p}: nested too deeply to be a recipe (the YAML parser's recursion limit)") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{p}: not valid YAML: {exc}") from None
+    data = read_recipe_yaml(p)
     try:
         return recipe_from_dict(data, where=str(p))
     except RecursionError:
         raise ValueError(f"{p}: nested too deeply to be a recipe") from None
+
+
+def read_recipe_yaml(p: Path, error: type = ValueError):
+    """The YAML value in the recipe file ``p`` (``yaml.safe_load``): files over ``MAX_RECIPE_BYTES``, text
+    that is not UTF-8, nesting too deep to parse and invalid YAML raise ``error`` naming the file.
+    Shared by the training and the PTQ recipe loaders."""
+    size = p.stat().st_size
+    if size > MAX_RECIPE_BYTES:
+        raise error(f"{p}: {size:,} bytes; a recipe file is at most {MAX_RECIPE_BYTES:,}")
+    try:
+        return yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise error(f"{p}: nested too deeply to be a recipe (the YAML parser's recursion limit)") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{p}: not valid YAML: {' '.join(str(exc).split())}") from None
