@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..nn.coverage import weight_coverage
+from ..nn.nvfp4_experts import NVFP4Experts
 from ..nn.nvfp4_linear import NVFP4Linear
 from . import mixed_export
 from .common import CONFIG_FILE, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype
@@ -216,6 +217,11 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     extras = _extra_files(extra_files)
     out_dir = check_output(out_dir, overwrite, source)
 
+    experts = [n for n, m in model.named_modules() if isinstance(m, NVFP4Experts)]
+    if experts:  # per-expert names / scales under the engines' MoE loaders' names: not written yet
+        raise ValueError(f"the model has quantized fused MoE experts ({experts[0]}, {len(experts)} module(s)): "
+                         "exporting NVFP4Experts is not supported yet; quantize with the experts excluded "
+                         "(exclude=[..., r'experts$']) to export the rest")
     quantized, high, linears = _collect(model)
     if not quantized:
         raise ValueError("the model has no NVFP4Linear / FP8Linear / MXLinear modules: nothing to export as a "
