@@ -261,22 +261,4 @@ def test_excluded_experts_stay_in_high_precision():
     assert type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
 
 
-def test_export_of_quantized_experts_is_refused(tmp_path):
-    model = tiny_moe("mixtral")
-    quantize_model(model, PTQConfig(), progress=False)
-    with pytest.raises(ValueError, match="exporting NVFP4Experts is not supported yet"):
-        bs.export_checkpoint(model, tmp_path / "ck", "compressed-tensors")
-    assert not (tmp_path / "ck").exists()
-
-
-def test_cli_quantize_refuses_experts_before_calibrating_and_exports_with_them_excluded(tmp_path, capsys):
-    from blockscale import cli
-
-    tiny_moe("mixtral").save_pretrained(tmp_path / "mix")  # no tokenizer: RTN W4A16
-    assert cli.main(["quantize", str(tmp_path / "mix"), "--out", str(tmp_path / "q")]) == 2
-    err = capsys.readouterr().err
-    assert "model.layers.0.mlp.experts (2 fused MoE experts module(s)) would be quantized" in err
-    assert "--exclude 'experts$'" in err and not (tmp_path / "q").exists()
-    assert cli.main(["quantize", str(tmp_path / "mix"), "--exclude", "experts$", "--allow-partial",
-                     "--out", str(tmp_path / "q")]) == 0
-    assert (tmp_path / "q" / "model.safetensors").is_file()
+# export of quantized experts and the CLI's quantize -> export: tests/test_export_fused_experts.py

@@ -120,22 +120,6 @@ def _check_quantize(args):
     return src
 
 
-def _refuse_expert_export(model, cfg) -> None:
-    """quantize exports its result, and quantized fused MoE experts cannot be exported yet: refuse before
-    calibrating (the Python API's quantize_model quantizes them)."""
-    from ..errors import QuantizationError
-    from ..ptq.preflight import fused_experts_to_quantize
-
-    try:
-        names = fused_experts_to_quantize(model, cfg)
-    except QuantizationError:  # quantize_model reports it (with the CLI's hints)
-        return
-    if names:
-        raise UsageError(f"{names[0]} ({len(names)} fused MoE experts module(s)) would be quantized, but exporting "
-                         "quantized fused experts is not supported yet; pass --exclude 'experts$' (or a bf16 rule "
-                         "for 'experts' in --recipe) to keep them in high precision")
-
-
 def _cmd_quantize(args) -> int:
     from pathlib import Path
 
@@ -162,7 +146,6 @@ def _cmd_quantize(args) -> int:
         how = f" with --recipe {recipe.name}" if recipe is not None else (" with --w4a4" if args.w4a4 else "")
         raise UsageError(f"--method {args.method}{how} calibrates on text, but "
                          f"{args.model} has no tokenizer (save one next to the weights, or use --method rtn)")
-    _refuse_expert_export(lm.model, cfg)
     calib = args.calib or defaults.calib
     report = quantize_reported(
         f"{PROG} quantize", lambda: calibrate_and_quantize(
