@@ -38,8 +38,8 @@ LOADER_TABLE = {
 }
 OUTER = {CT: "weight_global_scale", MO: "weight_scale_2"}
 INPUT = {CT: "input_global_scale", MO: "input_scale"}
-LEAVES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-          "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+_QWEN = ("mlp", "gate_proj", "up_proj", "down_proj")
+LEAVES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen3_moe": _QWEN, "olmoe": _QWEN, "qwen2_moe": _QWEN}
 FAMILIES = list(LEAVES)
 
 
@@ -95,8 +95,12 @@ def test_experts_are_written_per_expert_under_the_hub_names_and_reload_bit_exact
     rep = json.loads((out / "blockscale_report.json").read_text())
     quantized = set(rep["quantized_modules"])
     moe, g, u, d = LEAVES[family]
-    experts = {f"model.layers.{layer}.{moe}.experts.{e}.{leaf}" for layer in (0, 1) for e in range(E) for leaf in (g, u, d)}
+    experts = {f"model.layers.{layer}.{moe}.experts.{e}.{leaf}"
+               for layer in (0, 1) for e in range(E) for leaf in (g, u, d)}
     assert experts <= quantized
+    fe = rep["fused_experts"][f"model.layers.1.{moe}.experts"]
+    assert fe["module"] == "model.layers.1.mlp.experts" and fe["experts"] == E
+    assert fe["linears"] == {"gate": g, "up": u, "down": d}
     # every name save_pretrained writes is there: quantized Linears' weight replaced by the format's tensors
     want = {}
     for k, shape in hub.items():
@@ -160,9 +164,10 @@ def test_gate_and_up_scales_of_one_expert_must_be_equal(tmp_path, family, fmt):
     moe, g, u, _ = LEAVES[family]
     key = f"model.layers.1.{moe}.experts.2.{u}.{OUTER[fmt]}"
     _rewrite(out, lambda t: t.__setitem__(key, t[key] * 2))
-    with pytest.raises(CheckpointError, match=re.escape(f"fused MoE experts model.layers.1.{moe}.experts, expert 2: gate "
-                                                        f"model.layers.1.{moe}.experts.2.{g}.{OUTER[fmt]}=") + ".*"
-                       + re.escape(f"up model.layers.1.{moe}.experts.2.{u}.{OUTER[fmt]}=") + ".*differ"):
+    p = f"model.layers.1.{moe}.experts"
+    want = (re.escape(f"fused MoE experts {p}, expert 2: gate {p}.2.{g}.{OUTER[fmt]}=") + ".*"
+            + re.escape(f"up {p}.2.{u}.{OUTER[fmt]}=") + ".*differ")
+    with pytest.raises(CheckpointError, match=want):
         load_checkpoint(out, verify=False)
 
 
@@ -235,3 +240,16 @@ def test_mixed_recipe_experts_nvfp4_attention_fp8_reloads_bit_exact(tmp_path, fm
     back = load_checkpoint(out)
     assert isinstance(back.model.layers[0].mlp.experts, NVFP4Experts)
     assert torch.equal(_logits(back), _logits(model))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.xfail(reason="transformers 5.24's CompressedTensorsDequantize decompresses fused NVFP4 experts without "
+                          "their weight_global_scale (weights q * s, not q * s / S); see docs/formats.md", strict=False)
+def test_transformers_compressed_tensors_runs_the_moe_export(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, model = _quantized("qwen3_moe", False)
+    out = export_checkpoint(model, tmp_path / "ck", CT)
+    hf = AutoModelForCausalLM.from_pretrained(out)  # loads: no missing / unexpected keys
+    ref = _logits(model)
+    assert (_logits(hf).float() - ref).abs().max() <= 0.05

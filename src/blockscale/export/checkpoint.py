@@ -313,6 +313,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
             "weight_elements": elements,
             "fused_groups": groups,
             **({"kv_cache_scales": mixed_export.kv_report(mixed)} if mixed is not None and mixed.kv else {}),
+            **({"fused_experts": view.report()} if view is not None else {}),
             "files": info["files"],
             "tensors": len(tensors),
             "total_size": info["total_size"],

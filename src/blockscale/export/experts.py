@@ -89,7 +89,8 @@ def _linear(ex: NVFP4Experts, proj: str, e: int, rows: slice) -> NVFP4Linear:
     m.weight_scale = getattr(ex, f"{proj}_weight_scale")[e, rows].detach().clone()
     m.weight_global_scale = getattr(ex, f"{proj}_weight_global_scale")[e].detach().to(torch.float32).reshape(1).clone()
     if ex.input_scale_rule is not None:
-        m.input_global_scale = getattr(ex, f"{proj}_input_global_scale")[e].detach().to(torch.float32).reshape(1).clone()
+        s_in = getattr(ex, f"{proj}_input_global_scale")[e]
+        m.input_global_scale = s_in.detach().to(torch.float32).reshape(1).clone()
     return m
 
 
@@ -120,6 +121,15 @@ class ExpertsView:
                 if t is not None:
                     out[f"{n}.{b}"] = t
         return out
+
+
+    def report(self) -> dict:
+        """{hub experts module: its in-memory name, E / H / I, scheme, per-expert Linear leaves} for the report."""
+        g, u, d = self.family.leaves
+        return {self.hub(n): {"module": n, "experts": m.num_experts, "hidden": m.hidden_dim,
+                              "intermediate": m.intermediate_dim, "scheme": m.scheme_name,
+                              "linears": {"gate": g, "up": u, "down": d}}
+                for n, m in self.modules.items()}
 
 
 def experts_view(model: nn.Module) -> Optional[ExpertsView]:

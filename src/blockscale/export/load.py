@@ -190,8 +190,9 @@ def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointF
             gate_up.append(QuantizedTensor(spec=NVFP4(), codes=codes, scales=scales,
                                            shape=torch.Size((codes.shape[0], 2 * codes.shape[1])), dtype=dtype,
                                            outer_scale=g["weight_global_scale"].reshape(())))
-            down.append(QuantizedTensor(spec=NVFP4(), codes=d["weight_packed"], scales=d["weight_scale"],
-                                        shape=torch.Size((d["weight_packed"].shape[0], 2 * d["weight_packed"].shape[1])),
+            dc = d["weight_packed"]
+            down.append(QuantizedTensor(spec=NVFP4(), codes=dc, scales=d["weight_scale"],
+                                        shape=torch.Size((dc.shape[0], 2 * dc.shape[1])),
                                         dtype=dtype, outer_scale=d["weight_global_scale"].reshape(())))
             if qe.scheme.inputs:
                 s_gu.append(g["input_global_scale"].reshape(()))

@@ -129,7 +129,8 @@ def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path
         if not schemes:
             continue
         if len(schemes) > 1 or None in got.values():
-            listing = ", ".join(f"{n}: {s.label if s is not None else 'high precision'}" for n, s in list(got.items())[:6])
+            listing = ", ".join(f"{n}: {s.label if s is not None else 'high precision'}"
+                                for n, s in list(got.items())[:6])
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: the config gives its per-expert Linears "
                                   f"different schemes ({listing}, ...); blockscale loads every expert of a layer with "
                                   "one scheme")
@@ -285,11 +286,11 @@ def _check_experts_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, roo
                 a, b = shards.view(f"{g}.{suf}"), shards.view(f"{u}.{suf}")
                 if not torch.equal(a.reshape(-1).to(torch.float32).view(torch.int32),
                                    b.reshape(-1).to(torch.float32).view(torch.int32)):
+                    va, vb = float(a.reshape(-1)[0]), float(b.reshape(-1)[0])
                     raise CheckpointError(
-                        f"{shards.path(f'{u}.{suf}')}: fused MoE experts {plan.disk(name)}, expert {e}: gate {g}.{suf}="
-                        f"{float(a.reshape(-1)[0])!r} and up {u}.{suf}={float(b.reshape(-1)[0])!r} differ; the expert's "
-                        "gate and up run as one GEMM with one scale (vLLM's NVFP4 MoE loaders keep the gate's), so they "
-                        "must be equal")
+                        f"{shards.path(f'{u}.{suf}')}: fused MoE experts {plan.disk(name)}, expert {e}: gate "
+                        f"{g}.{suf}={va!r} and up {u}.{suf}={vb!r} differ; the expert's gate and up run as one GEMM "
+                        "with one scale (vLLM's NVFP4 MoE loaders keep the gate's), so they must be equal")
 
 
 def _check_other(plan: Plan, shards: Shards) -> None:
