@@ -281,8 +281,8 @@ def _add_quantize(sub) -> None:
                    help="keep matching module names in high precision (repeatable; lm_head / embeddings always)")
     add_skip_indivisible(q)
     q.add_argument("--allow-partial", action="store_true",
-                   help="quantize what can be even when most decoder weights stay in high precision (e.g. fused "
-                        "3-D MoE experts); without it that is an error")
+                   help="quantize what can be even when most decoder weights stay in high precision (e.g. excluded "
+                        "fused 3-D MoE experts); without it that is an error")
     q.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="model dtype (also of the unquantized tensors in the checkpoint)")
     q.add_argument("--device", default=None, help="device each layer is calibrated on (e.g. cuda); default: cpu")

@@ -15,6 +15,7 @@ from torch import nn
 from ..nn.coverage import weight_coverage
 from ..nn.nvfp4_linear import NVFP4Linear
 from . import mixed_export
+from .experts import ExpertsView, experts_view
 from .common import CONFIG_FILE, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype
 from .destination import atomic_directory, check_output, written_by_export
 from .module_checks import activation_meta, check_nvfp4_module, kv_modules
@@ -60,7 +61,7 @@ def _extra_files(extra) -> dict[str, object]:
     return out
 
 
-def _high_precision(model: nn.Module) -> tuple[list[str], dict, dict]:
+def _high_precision(model: nn.Module, view: Optional[ExpertsView] = None) -> tuple[list[str], dict, dict]:
     """(names for ``ignore`` / ``exclude_modules``, report entries, element counts) of the modules
     whose floating-point weight matrices (>= 2 dims) are not NVFP4 (``weight_coverage``): high-precision
     Linears, fused 3-D MoE experts, routers, embeddings (embeddings are not listed in ``ignore``).
@@ -83,14 +84,18 @@ def _high_precision(model: nn.Module) -> tuple[list[str], dict, dict]:
             owner.setdefault(id(p), name)
         entries[name] = entry
     ignore = [n for n in entries if n and not isinstance(modules[n], nn.Embedding)]
+    if view is not None:  # hub names (Mixtral: ...block_sparse_moe.gate)
+        ignore = [view.hub(n) for n in ignore]
+        entries = {view.hub(n): e for n, e in entries.items()}
     total = cov.quantized_elements + high
     counts = {"quantized": cov.quantized_elements, "high_precision": high,
               "high_precision_fraction": high / total if total else 0.0}
     return ignore, entries, counts
 
 
-def _collect(model: nn.Module):
-    """(quantized Linears: NVFP4Linear / FP8Linear / MXLinear, high-precision Linear names, all Linear names)."""
+def _collect(model: nn.Module, view: Optional[ExpertsView] = None):
+    """(quantized Linears: NVFP4Linear / FP8Linear / MXLinear, high-precision Linear names, all Linear names);
+    with ``view`` (the model has NVFP4Experts): names in hub form, the per-expert NVFP4 Linears included."""
     quantized = quantized_modules(model)
     high: list[str] = []
     linears: list[str] = []
@@ -100,11 +105,23 @@ def _collect(model: nn.Module):
         elif isinstance(m, nn.Linear):
             high.append(name)
             linears.append(name)
-    return quantized, high, linears
+    if view is None:
+        return quantized, high, linears
+    quantized = {view.hub(n): m for n, m in quantized.items()}
+    quantized.update(view.linears)
+    return quantized, [view.hub(n) for n in high], [view.hub(n) for n in linears] + list(view.linears)
 
 
-def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt: CheckpointFormat) -> dict[str, torch.Tensor]:
+def export_state(model: nn.Module, view: Optional[ExpertsView]) -> dict[str, torch.Tensor]:
+    """The model's state dict to write (tied copies dropped); with ``view``: in hub names, NVFP4Experts
+    buffers replaced by the per-expert Linears' ones."""
     state = drop_shared(model, model.state_dict())
+    return state if view is None else view.state(state)
+
+
+def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt: CheckpointFormat,
+             view: Optional[ExpertsView] = None) -> dict[str, torch.Tensor]:
+    state = export_state(model, view)
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         mod, _, leaf = key.rpartition(".")
@@ -186,6 +203,10 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     ``ignore`` / ``exclude_modules`` (embeddings are not listed: no engine quantizes them); the report
     lists all of them with element counts and ``quantization_config.blockscale.high_precision_fraction``
     = H / (Q + H) (Q NVFP4 weight elements, H high-precision ones, tied tensors counted once).
+    Quantized fused MoE experts (``NVFP4Experts``; Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE) are written as
+    per-expert NVFP4 Linears under the family's hub names (``export.experts``: what ``save_pretrained``
+    writes, e.g. ``...block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``, every other key renamed the same
+    way), gate and up of one expert with the expert's one outer (and input) scale.
     Non-quantized tensors keep the model's dtype (recorded as ``quantization_config.blockscale.dtype``,
     which ``load_checkpoint`` uses by default); tied embeddings are written once. For compressed-tensors
     config.json's ``dtype`` is bfloat16, the dtype compressed-tensors' runtime decompresses to, so plain
@@ -216,11 +237,12 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     extras = _extra_files(extra_files)
     out_dir = check_output(out_dir, overwrite, source)
 
-    quantized, high, linears = _collect(model)
+    view = experts_view(model)  # NVFP4Experts: per-expert Linears under the family's hub names
+    quantized, high, linears = _collect(model, view)
     if not quantized:
         raise ValueError("the model has no NVFP4Linear / FP8Linear / MXLinear modules: nothing to export as a "
                          "quantized checkpoint (quantize it first, e.g. with blockscale.ptq.quantize_model)")
-    ignore, high_modules, elements = _high_precision(model)
+    ignore, high_modules, elements = _high_precision(model, view)
     schemes = {n: scheme_of(m) for n, m in quantized.items()}
     nvfp4 = {n: m for n, m in quantized.items() if schemes[n].is_nvfp4}
     kv = kv_modules(model)
@@ -250,7 +272,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     if mixed is None:
         qcfg = fmt.quantization_config(w4a4, ignore, producer, bs_meta)
         side = fmt.side_files(w4a4, ignore, producer)
-        tensors = _tensors(model, quantized, fmt)
+        tensors = _tensors(model, quantized, fmt, view)
         modules = {n: {"shape": [m.out_features, m.in_features], "bias": m.bias is not None,
                        "weight_global_scale": float(m.weight_global_scale.reshape(-1)[0]),
                        **({"input_global_scale": float(m.input_global_scale.reshape(-1)[0]),
@@ -260,7 +282,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     else:
         qcfg = fmt.mixed.quantization_config(schemes, ignore, producer, bs_meta, mixed.kv_granularity)
         side = fmt.mixed.side_files(schemes, ignore, producer, mixed.kv_granularity)
-        tensors = mixed_export.tensors(model, mixed, quantized, fmt)
+        tensors = mixed_export.tensors(model, mixed, quantized, fmt, export_state(model, view))
         modules = {n: mixed_export.report_entry(m, schemes[n]) for n, m in quantized.items()}
         bits = mixed_export.bits_per_weight(quantized)
     config_json = _config_json(model, fmt.serving_dtype or dtype, qcfg)
@@ -291,6 +313,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
             "weight_elements": elements,
             "fused_groups": groups,
             **({"kv_cache_scales": mixed_export.kv_report(mixed)} if mixed is not None and mixed.kv else {}),
+            **({"fused_experts": view.report()} if view is not None else {}),
             "files": info["files"],
             "tensors": len(tensors),
             "total_size": info["total_size"],

@@ -155,17 +155,80 @@ def _list(names, k=8) -> str:
     return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "")
 
 
+def _nvfp4_bufs(fmt: CheckpointFormat, t: dict) -> dict:
+    layer = fmt.read_layer(t)
+    bufs = {"weight_packed": layer.weight_packed, "weight_scale": layer.weight_scale,
+            "weight_global_scale": layer.weight_global_scale}
+    if layer.input_global_scale is not None:
+        bufs["input_global_scale"] = layer.input_global_scale
+    return bufs
+
+
+def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat) -> None:
+    """Each fused-experts module the plan quantizes becomes an ``NVFP4Experts`` built from its per-expert
+    Linears (gate / up rows concatenated, their one outer and input scale)."""
+    from ..nn.nvfp4_experts import NVFP4Experts
+    from ..quant import NVFP4, QuantizedTensor
+
+    for name, qe in plan.experts.items():
+        module = model.get_submodule(name)
+        per: dict = {}
+        for e, p, lin in qe.linears:
+            t = {suf: shards.get(key) for key, (n, suf, _, _) in plan.expected_q.items() if n == lin}
+            try:
+                per[(e, p)] = _nvfp4_bufs(fmt, t)
+            except ValueError as err:
+                raise CheckpointError(f"{shards.root}: {lin}: {err}") from None
+        dtype = module.gate_up_proj.dtype
+        gate_up, down, s_gu, s_dn = [], [], [], []
+        for e in range(qe.experts):
+            g, u, d = per[(e, "gate")], per[(e, "up")], per[(e, "down")]
+            if not torch.equal(g["weight_global_scale"], u["weight_global_scale"]):  # pragma: no cover (checked)
+                raise CheckpointError(f"{shards.root}: {name}: expert {e}: gate and up outer scales differ")
+            codes = torch.cat([g["weight_packed"], u["weight_packed"]])
+            scales = torch.cat([g["weight_scale"], u["weight_scale"]])
+            gate_up.append(QuantizedTensor(spec=NVFP4(), codes=codes, scales=scales,
+                                           shape=torch.Size((codes.shape[0], 2 * codes.shape[1])), dtype=dtype,
+                                           outer_scale=g["weight_global_scale"].reshape(())))
+            dc = d["weight_packed"]
+            down.append(QuantizedTensor(spec=NVFP4(), codes=dc, scales=d["weight_scale"],
+                                        shape=torch.Size((dc.shape[0], 2 * dc.shape[1])),
+                                        dtype=dtype, outer_scale=d["weight_global_scale"].reshape(())))
+            if qe.scheme.inputs:
+                s_gu.append(g["input_global_scale"].reshape(()))
+                s_dn.append(d["input_global_scale"].reshape(()))
+        kw = {}
+        if qe.scheme.inputs:
+            kw = dict(gate_up_input_scale=torch.stack(s_gu), down_input_scale=torch.stack(s_dn),
+                      input_scale_rule=qe.rules.input_scale_rule, input_error=qe.rules.input_error)
+        try:
+            new = NVFP4Experts.from_experts(module, gate_up, down, **kw)
+        except ValueError as err:
+            raise CheckpointError(f"{shards.root}: {name}: {err}") from None
+        _replace(model, name, new)
+
+
 def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, dtype: torch.dtype) -> None:
+    expert_linears = {n for qe in plan.experts.values() for _, _, n in qe.linears}
     quantized: dict[str, nn.Module] = {}
     for name, q in plan.quantized.items():
-        w = model.get_submodule(name).weight
+        if name in expert_linears:
+            continue
+        w = model.get_submodule(plan.memory(name)).weight
         new = build_module(q.scheme, q.rules, q.in_features, q.out_features, q.bias,
                            w.dtype if w.is_floating_point() else dtype)
-        _replace(model, name, new)
+        _replace(model, plan.memory(name), new)
         quantized[name] = new
+    with torch.no_grad():
+        _fill_experts(model, plan, shards, fmt)
     state = drop_shared(model, model.state_dict())
-    plain = {k: v for k, v in state.items()
-             if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2] != "bias")}
+    q_mem = {plan.memory(n) for n in quantized}
+    plain = {}
+    for k, v in state.items():
+        mod, _, leaf = k.rpartition(".")
+        if (mod in q_mem and leaf != "bias") or mod in plan.experts:
+            continue
+        plain[plan.disk(k)] = v
     if set(plain) != set(plan.plain):  # pragma: no cover - the meta build and the real one differ
         raise CheckpointError(f"{shards.root}: the model transformers built differs from its meta-device build "
                               f"({_list(set(plain) ^ set(plan.plain))})")
@@ -175,11 +238,7 @@ def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, d
             t = {suf: shards.get(key) for key, (n, suf, _, _) in plan.expected_q.items() if n == name}
             try:
                 if s.is_nvfp4:
-                    layer = fmt.read_layer(t)
-                    bufs = {"weight_packed": layer.weight_packed, "weight_scale": layer.weight_scale,
-                            "weight_global_scale": layer.weight_global_scale}
-                    if layer.input_global_scale is not None:
-                        bufs["input_global_scale"] = layer.input_global_scale
+                    bufs = _nvfp4_bufs(fmt, t)
                 else:
                     bufs = fmt.mixed.read_module(s, t)
             except ValueError as e:
@@ -229,7 +288,8 @@ def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtyp
     try:
         check_sizes(cfg, shards, config_path)
         config = _transformers_config(cfg, config_path)
-        plan = build_plan(_build(config, dtype, config_path, meta=True), spec, bs, fmt, config_path, cfg)
+        plan = build_plan(_build(config, dtype, config_path, meta=True), spec, bs, fmt, config_path, cfg,
+                          set(shards.infos))
         check_plan(plan, shards, root, fmt.name, explicit)
         check_model_bytes(plan.model_bytes, shards, config_path)
         check_values(plan, shards, fmt, root)

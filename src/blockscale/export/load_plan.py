@@ -15,6 +15,7 @@ from torch import nn
 
 from ..nn.kv_cache import attention_modules
 from .common import CheckpointError, tied_targets
+from .experts import Family, expert_linear_names, family_of, fused_experts_modules, hub_name, memory_name
 from .files import Shards
 from .module_schemes import ModuleRules, ModuleScheme
 from .registry import CheckpointFormat, ParsedConfig
@@ -35,14 +36,37 @@ class QLinear:
     rules: ModuleRules
 
 
+@dataclass(frozen=True)
+class QExperts:
+    """A fused-experts module stored as per-expert NVFP4 Linears: ``linears`` [(expert, "gate" | "up" |
+    "down", on-disk Linear name)], its scheme and rules (one for all of them)."""
+
+    experts: int
+    hidden: int
+    intermediate: int
+    scheme: ModuleScheme
+    rules: ModuleRules
+    linears: tuple
+
+
 @dataclass
 class Plan:
-    quantized: dict  # module name -> QLinear
+    quantized: dict  # on-disk module name -> QLinear (per-expert Linears of ``experts`` included)
     expected_q: dict  # tensor name -> (module, on-disk suffix, allowed dtypes, allowed shapes)
     plain: dict  # tensor name -> (dtype, shape)
     model_bytes: int
     kv: dict = field(default_factory=dict)  # tensor name -> (attention module, "k_scale" | "v_scale", shapes)
     kv_granularity: Optional[str] = None
+    experts: dict = field(default_factory=dict)  # in-memory experts module name -> QExperts
+    family: Optional[Family] = None  # with experts: the hub naming of every on-disk name
+
+    def memory(self, name: str) -> str:
+        """The in-memory name of an on-disk module / tensor name (not of per-expert Linears)."""
+        return memory_name(name, self.family)
+
+    def disk(self, name: str) -> str:
+        """The on-disk name of an in-memory module / tensor name."""
+        return hub_name(name, self.family)
 
     @property
     def all_nvfp4(self) -> bool:
@@ -81,12 +105,59 @@ def _kv_heads(attn: nn.Module, cfg: dict) -> int:
     return int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 1)
 
 
+def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path,
+             present: Optional[set]) -> tuple[dict, Optional[Family]]:
+    """The fused-experts modules the config quantizes (as per-expert Linears under the family's hub
+    names): {in-memory name: QExperts}, and the family (None when there are none). A module whose fused
+    3-D ``gate_up_proj`` is among the stored tensors (``present``) is a high-precision one (exports
+    of models with the experts excluded list the module itself in ``ignore``)."""
+    fused = fused_experts_modules(model)
+    if not fused:
+        return {}, None
+    try:
+        fam = family_of(model)
+    except ValueError:
+        return {}, None  # unknown family: its experts stay the model's own (high-precision) tensors
+    out = {}
+    for name, m in fused.items():
+        if present is not None and f"{name}.gate_up_proj" in present:
+            continue
+        E, two_i, H = m.gate_up_proj.shape
+        lin = expert_linear_names(hub_name(name, fam), E, fam)
+        got = {n: parsed.scheme_of(n) for _, _, n in lin}
+        schemes = {s for s in got.values() if s is not None}
+        if not schemes:
+            continue
+        if len(schemes) > 1 or None in got.values():
+            listing = ", ".join(f"{n}: {s.label if s is not None else 'high precision'}"
+                                for n, s in list(got.items())[:6])
+            raise CheckpointError(f"{config_path}: fused MoE experts {name}: the config gives its per-expert Linears "
+                                  f"different schemes ({listing}, ...); blockscale loads every expert of a layer with "
+                                  "one scheme")
+        s = schemes.pop()
+        if not s.is_nvfp4:
+            raise CheckpointError(f"{config_path}: fused MoE experts {name}: scheme {s.label} for experts is not "
+                                  "supported by blockscale.load (NVFP4 experts only)")
+        if H % 16 or (two_i // 2) % 16:
+            raise CheckpointError(f"{config_path}: fused MoE experts {name}: hidden {H} / intermediate {two_i // 2} "
+                                  "not multiples of 16, so they cannot be NVFP4")
+        rules = {_rules(n, s, bs) for _, _, n in lin}
+        if len(rules) > 1:
+            raise CheckpointError(f"{config_path}: fused MoE experts {name}: quantization_config.blockscale gives its "
+                                  "per-expert Linears different activation rules; one per experts module is supported")
+        out[name] = QExperts(E, H, two_i // 2, s, rules.pop(), tuple(lin))
+    return out, (fam if out else None)
+
+
 def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: CheckpointFormat, config_path: Path,
-               cfg: dict) -> Plan:
+               cfg: dict, present: Optional[set] = None) -> Plan:
+    """``present``: the stored tensor names (fused experts stored as 3-D tensors stay high precision)."""
+    experts, fam = _experts(model, parsed, bs, config_path, present)
     quantized: dict[str, QLinear] = {}
-    for name, m in model.named_modules():
+    for mem_name, m in model.named_modules():
         if not isinstance(m, nn.Linear):
             continue
+        name = hub_name(mem_name, fam)
         s = parsed.scheme_of(name)
         if s is None:
             continue
@@ -98,6 +169,10 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
                                   f"cannot be {s.name}; the quantization config should list it in ignore / "
                                   "exclude_modules")
         quantized[name] = QLinear(m.in_features, m.out_features, m.bias is not None, s, _rules(name, s, bs))
+    for qe in experts.values():
+        for _, p, n in qe.linears:
+            k, out = (qe.hidden, qe.intermediate) if p != "down" else (qe.intermediate, qe.hidden)
+            quantized[n] = QLinear(k, out, False, qe.scheme, qe.rules)
     expected_q = {}
     for name, q in quantized.items():
         if q.scheme.is_nvfp4:
@@ -107,8 +182,13 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
             want = fmt.mixed.module_tensors(q.scheme, q.out_features, q.in_features)
         for suffix, (dts, shapes) in want.items():
             expected_q[f"{name}.{suffix}"] = (name, suffix, tuple(dts), tuple(tuple(s) for s in shapes))
-    plain = {k: (t.dtype, tuple(t.shape)) for k, t in _unshared(model).items()
-             if not (k.rpartition(".")[0] in quantized and k.rpartition(".")[2] != "bias")}
+    plain = {}
+    for k, t in _unshared(model).items():
+        mod, _, leaf = k.rpartition(".")
+        disk = hub_name(k, fam)
+        if mod in experts or (disk.rpartition(".")[0] in quantized and leaf != "bias"):
+            continue
+        plain[disk] = (t.dtype, tuple(t.shape))
     kv = {}
     if parsed.kv:
         for attn_name, attn in attention_modules(model).items():
@@ -118,7 +198,7 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
     seen = {}
     for t in list(model.parameters()) + list(model.buffers()):
         seen[id(t)] = t.numel() * t.element_size()
-    return Plan(quantized, expected_q, plain, sum(seen.values()), kv, parsed.kv)
+    return Plan(quantized, expected_q, plain, sum(seen.values()), kv, parsed.kv, experts, fam)
 
 
 def _list(names, k=8) -> str:
@@ -194,6 +274,25 @@ def _check_nvfp4_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, root:
         raise CheckpointError(f"{root}: {e}") from None
 
 
+def _check_experts_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
+    """Gate and up of every expert carry the same stored outer (and input) scale, bit for bit: vLLM's
+    NVFP4 MoE loaders keep only the gate's (w13_*[:, 0]) and would run the up rows with it."""
+    for name, qe in plan.experts.items():
+        lin = {(e, p): n for e, p, n in qe.linears}
+        for e in range(qe.experts):
+            g, u = lin[(e, "gate")], lin[(e, "up")]
+            for buf in ("weight_global_scale",) + (("input_global_scale",) if qe.scheme.inputs else ()):
+                suf = fmt.suffix(buf)
+                a, b = shards.view(f"{g}.{suf}"), shards.view(f"{u}.{suf}")
+                if not torch.equal(a.reshape(-1).to(torch.float32).view(torch.int32),
+                                   b.reshape(-1).to(torch.float32).view(torch.int32)):
+                    va, vb = float(a.reshape(-1)[0]), float(b.reshape(-1)[0])
+                    raise CheckpointError(
+                        f"{shards.path(f'{u}.{suf}')}: fused MoE experts {plan.disk(name)}, expert {e}: gate "
+                        f"{g}.{suf}={va!r} and up {u}.{suf}={vb!r} differ; the expert's gate and up run as one GEMM "
+                        "with one scale (vLLM's NVFP4 MoE loaders keep the gate's), so they must be equal")
+
+
 def _check_other(plan: Plan, shards: Shards) -> None:
     for key, (mod, suffix, _, _) in plan.expected_q.items():
         q = plan.quantized[mod]
@@ -221,6 +320,7 @@ def check_values(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) 
         check_positive(key, shards.view(key), shards.path(key))
     for key in plan.plain:
         check_finite(key, shards.view(key), shards.path(key))
+    _check_experts_shared(plan, shards, fmt, root)
     _check_nvfp4_shared(plan, shards, fmt, root)
 
 

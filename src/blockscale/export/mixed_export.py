@@ -98,10 +98,12 @@ def blockscale_meta(p: MixedPlan, quantized: dict) -> dict:
     return meta
 
 
-def tensors(model: nn.Module, p: MixedPlan, quantized: dict, fmt: CheckpointFormat) -> dict[str, torch.Tensor]:
+def tensors(model: nn.Module, p: MixedPlan, quantized: dict, fmt: CheckpointFormat,
+            state: Optional[dict] = None) -> dict[str, torch.Tensor]:
     """Every tensor to write: quantized modules as the format stores them, KV scales under its names,
-    the rest of the state dict as it is (tied copies dropped)."""
-    state = drop_shared(model, model.state_dict())
+    the rest of the state dict as it is (tied copies dropped); ``state``: that state dict when the
+    caller renamed it (fused experts under hub names)."""
+    state = drop_shared(model, model.state_dict()) if state is None else state
     out: dict[str, torch.Tensor] = {}
 
     def put(key: str, t: torch.Tensor) -> None:

@@ -7,11 +7,12 @@ from .kv_cache import (KVAmaxObserver, attention_modules, fp8_kv_fake_quantize, 
 from .linear import QuantizedLinear, quantized_linear
 from .moe import GroupedExperts, MoE, MoEConfig, Router, RoutingPlan
 from .mx_linear import MXLinear
+from .nvfp4_experts import NVFP4Experts
 from .nvfp4_linear import NVFP4Linear
 from .quantized_modules import QUANTIZED_LINEAR_TYPES, is_quantized_linear
 
 __all__ = ["ConversionReport", "FP8Linear", "GroupedExperts", "KVAmaxObserver", "MXLinear", "MoE", "MoEConfig",
-           "NVFP4Linear", "Operand", "QUANTIZED_LINEAR_TYPES", "QuantizedLinear", "Router", "RoutingPlan",
+           "NVFP4Experts", "NVFP4Linear", "Operand", "QUANTIZED_LINEAR_TYPES", "QuantizedLinear", "Router", "RoutingPlan",
            "attention_modules", "convert", "find_blocks", "fp8_kv_fake_quantize", "is_quantized_linear",
            "kv_scale_from_amax", "kv_scales", "observe_kv", "prepare_operand", "quantized_linear",
            "register_gemm_backend", "remove_kv_quantization", "set_gemm_backend", "set_kv_scales", "unconvert"]

@@ -43,7 +43,7 @@ class PTQConfig:
     skip_indivisible: keep Linears whose in_features is not a multiple of 16 in high precision (with a
       warning in the report) instead of raising.
     allow_partial: quantize what can be even when more than half of the decoder layers' weight
-      elements stay in high precision (e.g. fused 3-D MoE experts, which PTQ does not quantize);
+      elements stay in high precision (e.g. excluded experts, fused layouts PTQ does not know);
       otherwise that is a QuantizationError before calibrating. Either way the report lists them.
     recipe: a PTQ recipe (``recipes.PTQRecipe``, or a built-in name / YAML path): per-module schemes
       (NVFP4, FP8, MX, bf16), its ignore list and FP8 KV cache. None: the flat fields above (scale_rule,

@@ -4,8 +4,9 @@ finite parameters, smoothable layers, calibration token ids inside the vocabular
 
 Coverage is counted as ``blockscale.nn.coverage.weight_coverage`` counts it after quantization:
 quantized = in_features * out_features of every Linear PTQ converts; high precision = the elements
-of every other floating-point parameter of >= 2 dims a decoder-layer module owns (fused 3-D expert
-tensors, routers, excluded Linears). high_precision_fraction = high / (quantized + high).
+(and E * 3 * I * H of every fused 3-D experts module it converts, ``ptq.fused_experts``); high
+precision = the elements of every other floating-point parameter of >= 2 dims a decoder-layer module
+owns (excluded experts, routers, excluded Linears). high_precision_fraction = high / (quantized + high).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 from ..errors import DataError, QuantizationError, UsageError
 from ..nn.coverage import Coverage, weight_coverage
 from ..nn.fused import fused_groups
+from ..nn.nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
 from .config import PTQConfig
 from .finite import check_finite_parameters, non_finite_error
 from .scheme_plan import assign_schemes
@@ -30,7 +32,8 @@ PARTIAL_LIMIT = 0.5
 
 @dataclass
 class Plan:
-    """per_layer: per decoder layer, full name -> the nn.Linear to quantize; kept_high_precision:
+    """per_layer: per decoder layer, full name -> the nn.Linear to quantize; experts: per decoder layer,
+    full name -> the fused 3-D experts module to quantize (``ptq.fused_experts``); kept_high_precision:
     decoder-layer modules left in high precision, then the Linears outside the decoder layers;
     coverage: the decoder layers' weight elements after PTQ; warnings: per-Linear notes; schemes:
     full name -> the ``recipes.Scheme`` of every Linear in per_layer (``scheme_plan.assign_schemes``)."""
@@ -41,6 +44,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     schemes: dict = field(default_factory=dict)
     kept_by_recipe: set = field(default_factory=set)
+    experts: list = field(default_factory=list)  # per decoder layer: full name -> fused-experts module to quantize
 
 
 def _matches(name: str, patterns) -> bool:
@@ -91,27 +95,88 @@ def _choose(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig,
     return chosen
 
 
+def _choose_experts(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[str],
+                    schemes: dict, by_recipe: set) -> dict[str, nn.Module]:
+    """The fused 3-D experts modules of ``layer`` to quantize (``nn.nvfp4_experts``), each one's scheme in
+    ``schemes``. Not ignored by the recipe and a scheme other than bf16: it must be NVFP4 (QuantizationError
+    otherwise, for now) and have the supported layout (QuantizationError naming the module otherwise)."""
+    recipe = config.ptq_recipe
+    chosen = {}
+    for n, m in layer.named_modules():
+        if not has_fused_expert_parameters(m):
+            continue
+        full = f"{lprefix}.{n}"
+        if _matches(full, recipe.ignore):
+            continue
+        scheme = assign_schemes(model, [full], recipe)[full]
+        if scheme.family == "none":
+            by_recipe.add(full)
+            continue
+        keep = "keep it in high precision with exclude=[...] (or a bf16 rule in the recipe)"
+        if scheme.family != "nvfp4":
+            raise QuantizationError(f"{full}: scheme {scheme.label} is not yet supported for fused experts "
+                                    f"({type(m).__name__}; NVFP4 schemes only for now); {keep}")
+        why = fused_experts_layout(m)
+        if why is not None:
+            raise QuantizationError(f"{full}: {type(m).__name__} holds fused 3-D expert parameters in a layout PTQ "
+                                    f"does not know ({why}); {keep}")
+        E, two_i, H = m.gate_up_proj.shape
+        if H % 16 or (two_i // 2) % 16:
+            why = (f"{full}: hidden size {H} / intermediate size {two_i // 2} is not a multiple of 16, which NVFP4 "
+                   "checkpoints need")
+            if config.skip_indivisible:
+                warnings.append(f"{why.split(', which')[0]}: kept in high precision")
+                continue
+            raise QuantizationError(f"{why}; {keep} or skip_indivisible=True")
+        chosen[full] = m
+        schemes[full] = scheme
+    return chosen
+
+
+def check_experts_method(method, experts: list) -> None:
+    """Before calibrating: a QuantizationError when fused experts would be quantized with a method that
+    cannot quantize them yet (``PTQMethod.quantizes_fused_experts``)."""
+    names = [n for layer in experts for n in layer]
+    if names and not getattr(method, "quantizes_fused_experts", False):
+        raise QuantizationError(f"{names[0]}: method={method.name!r} is not yet supported for fused experts "
+                                f"({len(names)} fused-experts module{'s' if len(names) != 1 else ''}); use "
+                                "method='rtn', or keep the experts in high precision with exclude=[...]")
+
+
 def plan_quantization(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQConfig) -> Plan:
     """The Linears PTQ quantizes (every nn.Linear in the decoder layers not ignored by the recipe and
     not given its "bf16" scheme), each one's scheme, and the coverage that leaves, as
     ``weight_coverage`` will count it afterwards. In_features not in whole blocks of the scheme (16
     NVFP4, 32 MX): kept in high precision with a note when ``skip_indivisible``, else QuantizationError."""
     per_layer, kept, quantized, high, notes, schemes, by_recipe = [], [], {}, {}, [], {}, set()
+    experts = []
     for i, layer in enumerate(layers):
         lprefix = f"{prefix}.{i}"
         chosen = _choose(model, layer, lprefix, config, notes, schemes, by_recipe)
+        chosen_experts = _choose_experts(model, layer, lprefix, config, notes, schemes, by_recipe)
         cov = weight_coverage(layer, lprefix)
-        layer_high = {n: v for n, v in cov.high_precision.items() if n not in chosen}
+        layer_high = {n: v for n, v in cov.high_precision.items() if n not in chosen and n not in chosen_experts}
         quantized.update(cov.quantized)
         quantized.update({n: m.in_features * m.out_features for n, m in chosen.items()})
+        quantized.update({n: m.gate_up_proj.numel() + m.down_proj.numel() for n, m in chosen_experts.items()})
         high.update(layer_high)
         kept.extend(layer_high)
         per_layer.append(chosen)
+        experts.append(chosen_experts)
     in_layers = {id(m) for d in per_layer for m in d.values()}
     for n, m in model.named_modules():
         if isinstance(m, nn.Linear) and id(m) not in in_layers and n not in kept:
             kept.append(n)
-    return Plan(per_layer, kept, Coverage(quantized, high), notes, schemes, by_recipe)
+    return Plan(per_layer, kept, Coverage(quantized, high), notes, schemes, by_recipe, experts)
+
+
+def fused_experts_to_quantize(model: nn.Module, config: PTQConfig) -> list[str]:
+    """The fused 3-D experts modules ``quantize_model(model, config)`` would quantize (names), from its plan."""
+    from .capture import decoder_layers
+
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    return [n for layer in plan_quantization(model, layers, prefix, config).experts for n in layer]
 
 
 def _largest(high: dict[str, int], k: int = 3) -> str:
@@ -142,7 +207,7 @@ def check_coverage(coverage: Coverage, config: PTQConfig, kept_by_recipe=frozens
         raise QuantizationError(
             f"{100 * hp / total:.1f}% of the decoder layers' weight elements ({hp} of {total}) "
             f"would stay in high precision, in {_largest(unintended)} (PTQ quantizes the nn.Linear "
-            "layers not excluded or skipped; fused 3-D expert tensors, routers and other parameters stay as they "
+            "layers and fused 3-D experts not excluded or skipped; routers and other parameters stay as they "
             "are), so the result would hardly be a quantized model; pass allow_partial=True (--allow-partial) to quantize "
             "the rest anyway")
     return coverage_line(coverage)
@@ -202,5 +267,6 @@ def check_calibration(model: nn.Module, calibration, config: PTQConfig) -> None:
                             f"{vocab}); got min {lo}, max {hi}")
 
 
-__all__ = ["PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_finite_parameters",
-           "check_layers", "check_method_schemes", "coverage_line", "non_finite_error", "plan_quantization", "vocab_size"]
+__all__ = ["PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_experts_method", "check_finite_parameters",
+           "check_layers", "check_method_schemes", "coverage_line", "fused_experts_to_quantize", "non_finite_error",
+           "plan_quantization", "vocab_size"]

@@ -65,6 +65,8 @@ class PTQMethod:
     quantizes_with_statistics: ``quantize_weight`` reads the statistics (so they are recorded again
     after ``transform_layer`` changed the layer). compares_to_rtn: the report also gives each Linear's
     output error under plain RTN with the same S (``LinearReport.rtn_output_rel_err``).
+    quantizes_fused_experts: ``quantize_weight`` may be called per expert of a fused 3-D experts module
+    (``ptq.fused_experts``); otherwise PTQ refuses models whose fused experts it would quantize.
     """
 
     name: ClassVar[str] = ""
@@ -73,6 +75,7 @@ class PTQMethod:
     calibrates: ClassVar[bool] = True
     quantizes_with_statistics: ClassVar[bool] = False
     compares_to_rtn: ClassVar[bool] = False
+    quantizes_fused_experts: ClassVar[bool] = False
 
     def __init__(self, options=None):
         options = self.Options() if options is None else options

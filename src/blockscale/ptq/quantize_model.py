@@ -35,9 +35,10 @@ from ..nn.fused import fused_groups
 from ..quant import NVFP4
 from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
 from .config import PTQConfig
+from .fused_experts import ExpertsReport, observe_experts, quantize_experts
 from .kv_calibration import calibrate_kv, check_kv_layers
-from .preflight import (check_calibration, check_coverage, check_finite_parameters, check_layers, check_method_schemes,
-                        plan_quantization)
+from .preflight import (check_calibration, check_coverage, check_experts_method, check_finite_parameters, check_layers,
+                        check_method_schemes, plan_quantization)
 from .protocol import LayerContext, PTQMethod
 from .scheme_modules import build_linear
 from .scheme_quantize import group_weight_scale, rtn_quantize
@@ -65,7 +66,8 @@ class PTQReport:
     the decoder layers (lm_head); high_precision_elements: those decoder-layer modules -> their elements;
     high_precision_fraction: their share of all decoder-layer weight elements (0 when all are quantized);
     kv_cache (recipes with a kv_cache): {attention module: {"k_amax", "v_amax", "k_scale", "v_scale"}}
-    as lists (one value per layer, or one per KV head), s = amax / 448."""
+    as lists (one value per layer, or one per KV head), s = amax / 448; experts: one ``ExpertsReport``
+    per fused 3-D experts module quantized (per-expert token counts, errors, input amax, notes)."""
 
     config: dict
     layers: int = 0
@@ -77,6 +79,7 @@ class PTQReport:
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     kv_cache: dict[str, dict] = field(default_factory=dict)
+    experts: list[ExpertsReport] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -149,10 +152,10 @@ def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict,
 
 
 def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQConfig, calibration,
-               report: PTQReport) -> tuple[list[dict[str, nn.Linear]], dict, int]:
+               report: PTQReport) -> tuple[list[dict[str, nn.Linear]], dict, int, list]:
     """Everything checked before calibrating; fills the report's high-precision fields and warns once
     about them. Returns the Linears to quantize per layer, their schemes and how many report.warnings
-    were warned."""
+    were warned, and the fused-experts modules to quantize per layer."""
     plan = plan_quantization(model, layers, prefix, config)
     report.kept_high_precision = plan.kept_high_precision
     report.high_precision_elements = dict(plan.coverage.high_precision)
@@ -161,6 +164,7 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
     check_finite_parameters(layers, prefix)
     check_layers(layers, prefix, config)
     check_method_schemes(config.make_method(), plan.schemes)
+    check_experts_method(config.make_method(), plan.experts)
     if config.ptq_recipe.kv_cache is not None:
         check_kv_layers(layers, prefix)
     if config.needs_calibration:
@@ -170,7 +174,7 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
         report.warnings.append(line)
     warned = len(report.warnings)
     report.warnings.extend(plan.warnings)
-    return plan.per_layer, plan.schemes, warned
+    return plan.per_layer, plan.schemes, warned, plan.experts
 
 
 def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[torch.Tensor] = None, *,
@@ -178,13 +182,15 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     """Quantize ``model`` (a transformers causal LM, or any model whose decoder layers form one
     ModuleList) in place: every nn.Linear inside the decoder layers, except the recipe's ignore list
     (``config.exclude`` for the flat config) and its "bf16" Linears, becomes its scheme's module
-    (``scheme_plan.assign_schemes``): NVFP4Linear, FP8Linear or MXLinear. ``calibration``: [n, T]
+    (``scheme_plan.assign_schemes``): NVFP4Linear, FP8Linear or MXLinear; every fused 3-D experts module
+    (transformers >= 5 Mixtral / Qwen-MoE / OLMoE ``mlp.experts``) becomes an ``NVFP4Experts`` (NVFP4
+    schemes and RTN only for now; ``ptq.fused_experts``). ``calibration``: [n, T]
     token ids (needed unless the method is RTN and no scheme has static activations nor the recipe a
     KV cache). ``device``: where each layer is processed (default: where the model is).
     Returns a report (per-linear errors and scheme, what stays in high precision, KV scales, time).
 
     Before calibrating, raises QuantizationError when more than half of the decoder layers' weight
-    elements would stay in high precision (fused 3-D MoE experts, ...) unless ``config.allow_partial``
+    elements would stay in high precision (excluded experts, ...) unless ``config.allow_partial``
     (then one RuntimeWarning says what share stays), when a recipe splits a fused group between schemes,
     when in_features does not fit a scheme's blocks (unless ``skip_indivisible``), when a decoder-layer
     parameter is NaN/inf, when AWQ / SmoothQuant cannot fold into a layer, or when the recipe's KV cache
@@ -202,7 +208,7 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     prefix = next(n for n, m in model.named_modules() if m is layers)
     home = next(model.parameters()).device
     device = torch.device(device) if device is not None else home
-    per_layer, schemes, warned = _preflight(model, layers, prefix, config, calibration, report)
+    per_layer, schemes, warned, per_layer_experts = _preflight(model, layers, prefix, config, calibration, report)
     report.layers = len(layers)
 
     inputs: Optional[list[LayerInput]] = None
@@ -220,22 +226,26 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     for i in it:
         layer = layers[i]
         layer.to(device)
-        linears = per_layer[i]
-        stats, alphas = None, {}
-        if inputs is not None and linears:
+        linears, experts = per_layer[i], per_layer_experts[i]
+        stats, alphas, ex_stats = None, {}, None
+        if inputs is not None and (linears or experts):
             def record():
-                return collect_statistics(layer, i, inputs, linears, request, device, report.calibration_tokens)
+                with observe_experts(experts, i, report.calibration_tokens, device) as ex:
+                    st = collect_statistics(layer, i, inputs, linears, request, device, report.calibration_tokens)
+                return st, ex
 
-            stats = record()
-            with torch.no_grad():
-                alphas = method.transform_layer(LayerContext(layer, i, linears, stats, spec, act_rule,
-                                                             {n: schemes[n] for n in linears}))
-            static = any(schemes[n].static_activations for n in linears)
+            stats, ex_stats = record()
+            if linears:
+                with torch.no_grad():
+                    alphas = method.transform_layer(LayerContext(layer, i, linears, stats, spec, act_rule,
+                                                                 {n: schemes[n] for n in linears}))
+            static = any(schemes[n].static_activations for n in [*linears, *experts])
             if alphas and (static or method.quantizes_with_statistics):
-                stats = record()
+                stats, ex_stats = record()
         fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
         with torch.no_grad():
             _quantize_linears(model, linears, stats, schemes, method, report, alphas, fallback)
+            quantize_experts(model, experts, ex_stats, schemes, method, report.experts, report.warnings, fallback)
         if recipe.kv_cache is not None and inputs is not None:
             entries, kv_notes = calibrate_kv(layer, f"{prefix}.{i}", inputs, device, recipe.kv_cache.per_head)
             report.kv_cache.update(entries)

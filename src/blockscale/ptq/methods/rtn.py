@@ -19,6 +19,7 @@ class RTN(PTQMethod):
     Options = RTNOptions
     flag_prefix = "rtn"
     calibrates = False
+    quantizes_fused_experts = True
 
 
 __all__ = ["RTN", "RTNOptions"]

@@ -1,0 +1,165 @@
+"""NVFP4 fused MoE experts (``NVFP4Experts``) in checkpoints: per-expert Linears under the names the
+family's Hugging Face checkpoints use (what transformers >= 5 ``save_pretrained`` writes, its weight
+conversion reversed), which is what vLLM / SGLang's MoE loaders read.
+
+transformers 5 (``conversion_mapping.py``) fuses the hub's per-expert Linears on load:
+- Mixtral: ``.block_sparse_moe.`` is renamed ``.mlp.`` (every key: router and experts), and
+  ``experts.{e}.w1`` / ``w3`` (gate / up) become ``experts.gate_up_proj`` [E, 2I, H] (gate rows first),
+  ``experts.{e}.w2`` (down) ``experts.down_proj`` [E, H, I];
+- Qwen2-MoE / Qwen3-MoE / OLMoE (the ``qwen2_moe`` mapping): ``mlp.experts.{e}.gate_proj`` / ``up_proj`` ->
+  ``mlp.experts.gate_up_proj``, ``mlp.experts.{e}.down_proj`` -> ``mlp.experts.down_proj``.
+
+Export reverses that: each expert e of an ``NVFP4Experts`` at ``<m>`` is written as three NVFP4 Linears
+``<hub m>.{e}.<gate>`` [I, H], ``<hub m>.{e}.<up>`` [I, H] (both with the expert's one gate/up outer
+scale, and W4A4 its one gate/up input scale) and ``<hub m>.{e}.<down>`` [H, I]; every other key of the
+model gets the family's renaming (Mixtral's ``.mlp.`` -> ``.block_sparse_moe.``). The per-expert
+Linears are ordinary NVFP4 Linears to the rest of the export (``ExpertsView.linears``): config
+groups / ``quantized_layers``, fused gate/up groups sharing their scales, the report. Loading
+(``load_plan``) rebuilds the ``NVFP4Experts`` from them. Models without ``NVFP4Experts`` are written as
+before (in-memory names).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..nn.nvfp4_experts import NVFP4Experts, fused_experts_layout, has_fused_expert_parameters
+from ..nn.nvfp4_linear import NVFP4Linear
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family's hub checkpoints name its experts: ``rename`` (in-memory substring, hub
+    substring) applied to every key, or None; ``leaves`` (gate, up, down) per-expert Linear names."""
+
+    rename: Optional[tuple[str, str]]
+    leaves: tuple[str, str, str]
+
+
+_QWEN = Family(None, ("gate_proj", "up_proj", "down_proj"))
+#: config.model_type -> Family (checked against save_pretrained in tests/test_export_fused_experts.py)
+FAMILIES = {
+    "mixtral": Family((".mlp.", ".block_sparse_moe."), ("w1", "w3", "w2")),
+    "qwen2_moe": _QWEN,
+    "qwen3_moe": _QWEN,
+    "olmoe": _QWEN,
+}
+
+
+def family_of(model: nn.Module) -> Family:
+    """The ``Family`` of ``model`` (ValueError naming the supported model types otherwise)."""
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    fam = FAMILIES.get(mt)
+    if fam is None:
+        raise ValueError(f"model_type={mt!r}: quantized fused MoE experts can be stored for the model types "
+                         f"{', '.join(sorted(FAMILIES))} only (their hub checkpoints' per-expert names are known)")
+    return fam
+
+
+def hub_name(name: str, fam: Optional[Family]) -> str:
+    """The hub (on-disk) form of an in-memory module or tensor name."""
+    if fam is None or fam.rename is None:
+        return name
+    mem, hub = fam.rename
+    return f".{name}.".replace(mem, hub)[1:-1]
+
+
+def memory_name(name: str, fam: Optional[Family]) -> str:
+    """The in-memory form of a hub name (inverse of ``hub_name`` on the names it produces)."""
+    if fam is None or fam.rename is None:
+        return name
+    mem, hub = fam.rename
+    return f".{name}.".replace(hub, mem)[1:-1]
+
+
+def expert_linear_names(hub_module: str, E: int, fam: Family) -> list[tuple[int, str, str]]:
+    """[(expert, "gate" | "up" | "down", hub Linear name)] of an experts module at ``hub_module``."""
+    g, u, d = fam.leaves
+    return [(e, p, f"{hub_module}.{e}.{leaf}") for e in range(E) for p, leaf in (("gate", g), ("up", u), ("down", d))]
+
+
+def _linear(ex: NVFP4Experts, proj: str, e: int, rows: slice) -> NVFP4Linear:
+    packed = getattr(ex, f"{proj}_weight_packed")[e, rows]
+    m = NVFP4Linear(packed.shape[1] * 2, packed.shape[0], False, input_scale_rule=ex.input_scale_rule,
+                    input_error=ex.input_error, dtype=ex._dtype)
+    m.weight_packed = packed.detach().clone()
+    m.weight_scale = getattr(ex, f"{proj}_weight_scale")[e, rows].detach().clone()
+    m.weight_global_scale = getattr(ex, f"{proj}_weight_global_scale")[e].detach().to(torch.float32).reshape(1).clone()
+    if ex.input_scale_rule is not None:
+        s_in = getattr(ex, f"{proj}_input_global_scale")[e]
+        m.input_global_scale = s_in.detach().to(torch.float32).reshape(1).clone()
+    return m
+
+
+@dataclass
+class ExpertsView:
+    """The model as the export writes it when it holds ``NVFP4Experts``: ``family``; ``modules``
+    (in-memory experts module name -> NVFP4Experts); ``linears`` (hub per-expert Linear name ->
+    NVFP4Linear holding a copy of that expert's rows, in model order)."""
+
+    family: Family
+    modules: dict
+    linears: dict
+
+    def hub(self, name: str) -> str:
+        return hub_name(name, self.family)
+
+    def state(self, state: dict) -> dict:
+        """``state`` (in-memory keys) without the experts' buffers, keys in hub form, plus every
+        per-expert Linear's buffers."""
+        out = {}
+        for k, t in state.items():
+            if k.rpartition(".")[0] in self.modules:
+                continue
+            out[self.hub(k)] = t
+        for n, m in self.linears.items():
+            for b in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+                t = getattr(m, b)
+                if t is not None:
+                    out[f"{n}.{b}"] = t
+        return out
+
+
+    def report(self) -> dict:
+        """{hub experts module: its in-memory name, E / H / I, scheme, per-expert Linear leaves} for the report."""
+        g, u, d = self.family.leaves
+        return {self.hub(n): {"module": n, "experts": m.num_experts, "hidden": m.hidden_dim,
+                              "intermediate": m.intermediate_dim, "scheme": m.scheme_name,
+                              "linears": {"gate": g, "up": u, "down": d}}
+                for n, m in self.modules.items()}
+
+
+def experts_view(model: nn.Module) -> Optional[ExpertsView]:
+    """The ``ExpertsView`` of ``model``, or None when it has no ``NVFP4Experts``. ValueError when its
+    family is not supported or some fused experts modules stay in high precision next to quantized ones."""
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Experts)}
+    if not modules:
+        return None
+    fam = family_of(model)
+    high = [n for n, m in model.named_modules() if has_fused_expert_parameters(m)]
+    if high:
+        raise ValueError(f"{high[0]} ({len(high)} fused MoE experts module(s)) is in high precision while "
+                         f"{next(iter(modules))} is NVFP4: exporting a model whose fused experts are partly quantized "
+                         "is not supported; quantize every experts module or none")
+    linears = {}
+    for name, ex in modules.items():
+        I = ex.intermediate_dim
+        rows = {"gate": slice(0, I), "up": slice(I, 2 * I), "down": slice(None)}
+        for e, p, lin in expert_linear_names(hub_name(name, fam), ex.num_experts, fam):
+            linears[lin] = _linear(ex, "down" if p == "down" else "gate_up", e, rows[p])
+    return ExpertsView(fam, modules, linears)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+def fused_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """In-memory name -> every module of ``model`` (a meta-device build works) with the fused layout
+    ``NVFP4Experts`` replaces."""
+    return {n: m for n, m in model.named_modules()
+            if has_fused_expert_parameters(m) and fused_experts_layout(m) is None}
+
+
+__all__ = ["ExpertsView", "FAMILIES", "Family", "expert_linear_names", "experts_view", "family_of",
+           "fused_experts_modules", "hub_name", "memory_name"]
