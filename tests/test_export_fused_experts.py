@@ -20,7 +20,7 @@ from blockscale.ptq import PTQConfig, quantize_model
 
 transformers = pytest.importorskip("transformers")
 from test_ptq_fused_experts import tiny_moe  # noqa: E402
-from tiny_models import token_ids  # noqa: E402
+from tiny_models import checkpoint_tensors, moe_ids, moe_logits, token_ids  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,20 +43,7 @@ LEAVES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen3_moe": _QWEN,
 FAMILIES = list(LEAVES)
 
 
-def _ids():
-    return torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
-
-
-def _logits(model):
-    with torch.no_grad():
-        return model(_ids()).logits
-
-
-def _tensors(path: Path) -> dict:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+_ids, _logits, _tensors = moe_ids, moe_logits, checkpoint_tensors
 
 
 def _hub_weights(model, tmp_path) -> dict:
@@ -192,7 +179,8 @@ def test_unsupported_family_is_refused(tmp_path):
     model.config.model_type = "my_moe"
     try:
         with pytest.raises(ValueError, match=r"model_type='my_moe': quantized fused MoE experts can be stored for the "
-                                             r"model types mixtral, olmoe, qwen2_moe, qwen3_moe only"):
+                                             r"model types deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe "
+                                             r"only"):
             export_checkpoint(model, tmp_path / "ck", CT)
     finally:
         del model.config.model_type
@@ -212,9 +200,13 @@ def test_cli_quantize_exports_experts_and_with_them_excluded(tmp_path, capsys):
     assert cli.main(["quantize", str(tmp_path / "mix"), "--exclude", "experts$", "--allow-partial",
                      "--out", str(tmp_path / "q2")]) == 0
     t = _tensors(tmp_path / "q2")
-    assert "model.layers.0.mlp.experts.gate_up_proj" in t  # high precision: in-memory names, as before
+    # high precision, per expert under the hub names save_pretrained writes, module and Linears ignored
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in t
+    assert not any("gate_up_proj" in k or ".mlp." in k for k in t)
     cfg = json.loads((tmp_path / "q2" / "config.json").read_text())["quantization_config"]
-    assert "model.layers.0.mlp.experts" in cfg["ignore"]
+    assert {"model.layers.0.block_sparse_moe.experts", "model.layers.0.block_sparse_moe.experts.3.w2",
+            "model.layers.0.block_sparse_moe.experts.0.gate_proj"} <= set(cfg["ignore"])  # + vLLM's probe name
+    assert type(load_checkpoint(tmp_path / "q2").model.layers[0].mlp.experts).__name__ == "MixtralExperts"
 
 
 @pytest.mark.parametrize("fmt", [CT, MO])

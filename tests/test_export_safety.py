@@ -302,10 +302,18 @@ def test_moe_experts_and_routers_are_listed_as_high_precision(tmp_path, fmt):
     model = make_mixtral()
     ref = _logits(model)
     out = export_checkpoint(model, tmp_path / "ck", fmt)
-    listed = []
+    # hub names (Mixtral's .mlp. is .block_sparse_moe. on the hub): the router, the experts module, each
+    # high-precision per-expert Linear as save_pretrained writes it, and the names vLLM's compressed-tensors MoE
+    # method probes (<experts>.0.gate_proj / up_proj / down_proj) so that it keeps the experts unquantized
+    modules, listed = [], []
     for i in range(2):
-        listed += [f"model.layers.{i}.mlp.gate", f"model.layers.{i}.mlp.experts"]
+        m = f"model.layers.{i}.block_sparse_moe"
+        modules += [f"{m}.gate", f"{m}.experts"]
+        listed += [f"{m}.gate", f"{m}.experts"]
+        listed += [f"{m}.experts.{e}.{leaf}" for e in range(4) for leaf in ("w1", "w3", "w2")]
+        listed += [f"{m}.experts.0.{leaf}" for leaf in ("gate_proj", "up_proj", "down_proj")]
     listed.append("lm_head")
+    modules.append("lm_head")
     cfg = json.loads((out / "config.json").read_text())
     q = cfg["quantization_config"]
     assert q["ignore"] == listed
@@ -317,14 +325,16 @@ def test_moe_experts_and_routers_are_listed_as_high_precision(tmp_path, fmt):
     assert q["blockscale"]["high_precision_fraction"] == pytest.approx(frac, rel=1e-12) and frac > 0.7
     rep = json.loads((out / "blockscale_report.json").read_text())
     hp = rep["high_precision_modules"]
-    assert sorted(hp) == sorted(["model.embed_tokens"] + listed)  # the report is written with sorted keys
-    assert hp["model.layers.1.mlp.experts"] == {
+    assert sorted(hp) == sorted(["model.embed_tokens"] + modules)  # the report is written with sorted keys
+    assert hp["model.layers.1.block_sparse_moe.experts"] == {
         "type": "MixtralExperts", "elements": EXPERTS,
         "parameters": {"gate_up_proj": [4, 64, 64], "down_proj": [4, 64, 32]}}
-    assert hp["model.layers.0.mlp.gate"]["elements"] == ROUTER and hp["lm_head"]["type"] == "Linear"
+    assert hp["model.layers.0.block_sparse_moe.gate"]["elements"] == ROUTER and hp["lm_head"]["type"] == "Linear"
     assert rep["weight_elements"] == {"quantized": 2 * Q_LAYER, "high_precision": high,
                                       "high_precision_fraction": q["blockscale"]["high_precision_fraction"]}
-    assert rep["high_precision_linears"] == ["lm_head"]
+    assert rep["high_precision_linears"] == ["lm_head"] + [
+        f"model.layers.{i}.block_sparse_moe.experts.{e}.{leaf}" for i in range(2) for e in range(4)
+        for leaf in ("w1", "w3", "w2")]
     loaded = bs.load(out)
     assert sum(isinstance(m, NVFP4Linear) for m in loaded.modules()) == 8
     assert torch.equal(_logits(loaded), ref)

@@ -17,3 +17,26 @@ def tiny_hf_llama(seed: int = 0):
 def token_ids(n: int = 8, t: int = 32, seed: int = 0, vocab: int = 96) -> torch.Tensor:
     """[n, t] seeded random token ids."""
     return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def checkpoint_tensors(path) -> dict:
+    """Every tensor of every ``*.safetensors`` file in directory ``path`` (name -> tensor)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def moe_ids() -> torch.Tensor:
+    """The [2, 9] token ids the MoE export tests compare logits on."""
+    return torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def moe_logits(model) -> torch.Tensor:
+    """``model``'s logits on ``moe_ids()``, without autograd."""
+    with torch.no_grad():
+        return model(moe_ids()).logits

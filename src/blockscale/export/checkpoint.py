@@ -84,8 +84,8 @@ def _high_precision(model: nn.Module, view: Optional[ExpertsView] = None) -> tup
             owner.setdefault(id(p), name)
         entries[name] = entry
     ignore = [n for n in entries if n and not isinstance(modules[n], nn.Embedding)]
-    if view is not None:  # hub names (Mixtral: ...block_sparse_moe.gate)
-        ignore = [view.hub(n) for n in ignore]
+    if view is not None:  # hub names (Mixtral: ...block_sparse_moe.gate); excluded experts: + their Linears
+        ignore = [h for n in ignore for h in (view.ignore_names(n) if n in view.high else [view.hub(n)])]
         entries = {view.hub(n): e for n, e in entries.items()}
     total = cov.quantized_elements + high
     counts = {"quantized": cov.quantized_elements, "high_precision": high,
@@ -109,7 +109,9 @@ def _collect(model: nn.Module, view: Optional[ExpertsView] = None):
         return quantized, high, linears
     quantized = {view.hub(n): m for n, m in quantized.items()}
     quantized.update(view.linears)
-    return quantized, [view.hub(n) for n in high], [view.hub(n) for n in linears] + list(view.linears)
+    high_experts = [lin for n in view.high for lin in view.high_linears(n)]
+    return (quantized, [view.hub(n) for n in high] + high_experts,
+            [view.hub(n) for n in linears] + list(view.linears) + high_experts)
 
 
 def export_state(model: nn.Module, view: Optional[ExpertsView]) -> dict[str, torch.Tensor]:
@@ -203,10 +205,12 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     ``ignore`` / ``exclude_modules`` (embeddings are not listed: no engine quantizes them); the report
     lists all of them with element counts and ``quantization_config.blockscale.high_precision_fraction``
     = H / (Q + H) (Q NVFP4 weight elements, H high-precision ones, tied tensors counted once).
-    Quantized fused MoE experts (``NVFP4Experts``; Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE) are written as
-    per-expert NVFP4 Linears under the family's hub names (``export.experts``: what ``save_pretrained``
-    writes, e.g. ``...block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``, every other key renamed the same
-    way), gate and up of one expert with the expert's one outer (and input) scale.
+    Quantized fused MoE experts (``NVFP4Experts``; Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3) are
+    written as per-expert NVFP4 Linears under the family's hub names (``export.experts``: what
+    ``save_pretrained`` writes, e.g. ``...block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``, every other key
+    renamed the same way), gate and up of one expert with the expert's one outer (and input) scale; fused
+    experts kept in high precision in those families are written per expert the same way (``.weight``), the
+    module and its per-expert Linears listed in ``ignore`` / ``exclude_modules``.
     Non-quantized tensors keep the model's dtype (recorded as ``quantization_config.blockscale.dtype``,
     which ``load_checkpoint`` uses by default); tied embeddings are written once. For compressed-tensors
     config.json's ``dtype`` is bfloat16, the dtype compressed-tensors' runtime decompresses to, so plain

@@ -29,6 +29,7 @@ from ..models.checkpoint_detection import detected_format, file_inside
 from ..nn.kv_cache import set_kv_scales
 from . import schema
 from .common import FORMATS, CheckpointError, drop_shared
+from .experts import split_experts
 from .files import Shards, checkpoint_dir, inside, read_json
 from .load_plan import Plan, build_plan, check_plan, check_values
 from .module_schemes import ModuleScheme, build_module
@@ -168,6 +169,7 @@ def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointF
     """Each fused-experts module the plan quantizes becomes an ``NVFP4Experts`` built from its per-expert
     Linears (gate / up rows concatenated, their one outer and input scale)."""
     from ..nn.nvfp4_experts import NVFP4Experts
+    from ..nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts
     from ..quant import NVFP4, QuantizedTensor
 
     for name, qe in plan.experts.items():
@@ -182,11 +184,16 @@ def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointF
         dtype = module.gate_up_proj.dtype
         gate_up, down, s_gu, s_dn = [], [], [], []
         for e in range(qe.experts):
-            g, u, d = per[(e, "gate")], per[(e, "up")], per[(e, "down")]
-            if not torch.equal(g["weight_global_scale"], u["weight_global_scale"]):  # pragma: no cover (checked)
-                raise CheckpointError(f"{shards.root}: {name}: expert {e}: gate and up outer scales differ")
-            codes = torch.cat([g["weight_packed"], u["weight_packed"]])
-            scales = torch.cat([g["weight_scale"], u["weight_scale"]])
+            d = per[(e, "down")]
+            if (e, "gate_up") in per:  # gpt-oss: one Linear [2I, H] per expert (rows interleaved)
+                g = per[(e, "gate_up")]
+                codes, scales = g["weight_packed"], g["weight_scale"]
+            else:
+                g, u = per[(e, "gate")], per[(e, "up")]
+                if not torch.equal(g["weight_global_scale"], u["weight_global_scale"]):  # pragma: no cover (checked)
+                    raise CheckpointError(f"{shards.root}: {name}: expert {e}: gate and up outer scales differ")
+                codes = torch.cat([g["weight_packed"], u["weight_packed"]])
+                scales = torch.cat([g["weight_scale"], u["weight_scale"]])
             gate_up.append(QuantizedTensor(spec=NVFP4(), codes=codes, scales=scales,
                                            shape=torch.Size((codes.shape[0], 2 * codes.shape[1])), dtype=dtype,
                                            outer_scale=g["weight_global_scale"].reshape(())))
@@ -202,7 +209,7 @@ def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointF
             kw = dict(gate_up_input_scale=torch.stack(s_gu), down_input_scale=torch.stack(s_dn),
                       input_scale_rule=qe.rules.input_scale_rule, input_error=qe.rules.input_error)
         try:
-            new = NVFP4Experts.from_experts(module, gate_up, down, **kw)
+            new = (NVFP4GptOssExperts if qe.kept else NVFP4Experts).from_experts(module, gate_up, down, **kw)
         except ValueError as err:
             raise CheckpointError(f"{shards.root}: {name}: {err}") from None
         _replace(model, name, new)
@@ -226,7 +233,11 @@ def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, d
     plain = {}
     for k, v in state.items():
         mod, _, leaf = k.rpartition(".")
-        if (mod in q_mem and leaf != "bias") or mod in plan.experts:
+        if (mod in q_mem and leaf != "bias") or (mod in plan.experts and leaf not in plan.experts[mod].kept):
+            continue
+        if mod in plan.high_experts:  # stored per expert: filled through views of gate_up_proj / down_proj
+            if leaf == "gate_up_proj":
+                plain.update(split_experts(plan.disk(mod), v, state[f"{mod}.down_proj"], plan.family))
             continue
         plain[plan.disk(k)] = v
     if set(plain) != set(plan.plain):  # pragma: no cover - the meta build and the real one differ

@@ -15,7 +15,9 @@ from torch import nn
 
 from ..nn.kv_cache import attention_modules
 from .common import CheckpointError, tied_targets
-from .experts import Family, expert_linear_names, family_of, fused_experts_modules, hub_name, memory_name
+from ..nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
+from .experts import (GPT_OSS_KEPT, Family, expert_linear_names, family_of, fused_experts_modules, hub_name,
+                      memory_name)
 from .files import Shards
 from .module_schemes import ModuleRules, ModuleScheme
 from .registry import CheckpointFormat, ParsedConfig
@@ -47,6 +49,7 @@ class QExperts:
     scheme: ModuleScheme
     rules: ModuleRules
     linears: tuple
+    kept: tuple = ()  # the module's own tensors stored as they are (gpt-oss: its biases, GPT_OSS_KEPT)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Plan:
     kv_granularity: Optional[str] = None
     experts: dict = field(default_factory=dict)  # in-memory experts module name -> QExperts
     family: Optional[Family] = None  # with experts: the hub naming of every on-disk name
+    high_experts: dict = field(default_factory=dict)  # in-memory name -> its per-expert high-precision Linears
 
     def memory(self, name: str) -> str:
         """The in-memory name of an on-disk module / tensor name (not of per-expert Linears)."""
@@ -106,27 +110,35 @@ def _kv_heads(attn: nn.Module, cfg: dict) -> int:
 
 
 def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path,
-             present: Optional[set]) -> tuple[dict, Optional[Family]]:
+             present: Optional[set]) -> tuple[dict, Optional[Family], dict]:
     """The fused-experts modules the config quantizes (as per-expert Linears under the family's hub
-    names): {in-memory name: QExperts}, and the family (None when there are none). A module whose fused
-    3-D ``gate_up_proj`` is among the stored tensors (``present``) is a high-precision one (exports
-    of models with the experts excluded list the module itself in ``ignore``)."""
+    names): {in-memory name: QExperts}, the family (None when no experts module is stored per expert) and
+    the high-precision experts modules stored per expert ({in-memory name: their hub Linear names}: what
+    exports of known families with the experts excluded write). A module whose fused 3-D
+    ``gate_up_proj`` is among the stored tensors (``present``) is a high-precision one stored fused
+    under in-memory names (older exports)."""
     fused = fused_experts_modules(model)
+    fused.update({n: m for n, m in model.named_modules() if is_gpt_oss_experts(m)})  # per-expert gate_up / down
     if not fused:
-        return {}, None
+        return {}, None, {}
     try:
         fam = family_of(model)
     except ValueError:
-        return {}, None  # unknown family: its experts stay the model's own (high-precision) tensors
-    out = {}
+        return {}, None, {}  # unknown family: its experts stay the model's own (high-precision) tensors
+    out, high = {}, {}
     for name, m in fused.items():
         if present is not None and f"{name}.gate_up_proj" in present:
             continue
+        gpt_oss = is_gpt_oss_experts(m)
         E, two_i, H = m.gate_up_proj.shape
+        if gpt_oss:  # gate_up_proj [E, H, 2I]
+            E, H, two_i = m.gate_up_proj.shape
         lin = expert_linear_names(hub_name(name, fam), E, fam)
         got = {n: parsed.scheme_of(n) for _, _, n in lin}
         schemes = {s for s in got.values() if s is not None}
         if not schemes:
+            if present is not None and all(f"{n}.weight" in present for _, _, n in lin):
+                high[name] = tuple(n for _, _, n in lin)
             continue
         if len(schemes) > 1 or None in got.values():
             listing = ", ".join(f"{n}: {s.label if s is not None else 'high precision'}"
@@ -145,14 +157,14 @@ def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path
         if len(rules) > 1:
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: quantization_config.blockscale gives its "
                                   "per-expert Linears different activation rules; one per experts module is supported")
-        out[name] = QExperts(E, H, two_i // 2, s, rules.pop(), tuple(lin))
-    return out, (fam if out else None)
+        out[name] = QExperts(E, H, two_i // 2, s, rules.pop(), tuple(lin), GPT_OSS_KEPT if gpt_oss else ())
+    return out, (fam if out or high else None), high
 
 
 def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: CheckpointFormat, config_path: Path,
                cfg: dict, present: Optional[set] = None) -> Plan:
     """``present``: the stored tensor names (fused experts stored as 3-D tensors stay high precision)."""
-    experts, fam = _experts(model, parsed, bs, config_path, present)
+    experts, fam, high_experts = _experts(model, parsed, bs, config_path, present)
     quantized: dict[str, QLinear] = {}
     for mem_name, m in model.named_modules():
         if not isinstance(m, nn.Linear):
@@ -172,6 +184,8 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
     for qe in experts.values():
         for _, p, n in qe.linears:
             k, out = (qe.hidden, qe.intermediate) if p != "down" else (qe.intermediate, qe.hidden)
+            if p == "gate_up":  # gpt-oss: one Linear for the expert's interleaved gate / up rows
+                out = 2 * qe.intermediate
             quantized[n] = QLinear(k, out, False, qe.scheme, qe.rules)
     expected_q = {}
     for name, q in quantized.items():
@@ -186,7 +200,14 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
     for k, t in _unshared(model).items():
         mod, _, leaf = k.rpartition(".")
         disk = hub_name(k, fam)
-        if mod in experts or (disk.rpartition(".")[0] in quantized and leaf != "bias"):
+        if (mod in experts and leaf not in experts[mod].kept) or (disk.rpartition(".")[0] in quantized and
+                                                                  leaf != "bias"):
+            continue
+        if mod in high_experts:  # stored per expert: [I, H] gate / up rows, [H, I] down
+            if leaf == "gate_up_proj":
+                E, two_i, H = t.shape
+                for (_, p, n) in expert_linear_names(hub_name(mod, fam), E, fam):
+                    plain[f"{n}.weight"] = (t.dtype, (H, two_i // 2) if p == "down" else (two_i // 2, H))
             continue
         plain[disk] = (t.dtype, tuple(t.shape))
     kv = {}
@@ -198,7 +219,7 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
     seen = {}
     for t in list(model.parameters()) + list(model.buffers()):
         seen[id(t)] = t.numel() * t.element_size()
-    return Plan(quantized, expected_q, plain, sum(seen.values()), kv, parsed.kv, experts, fam)
+    return Plan(quantized, expected_q, plain, sum(seen.values()), kv, parsed.kv, experts, fam, high_experts)
 
 
 def _list(names, k=8) -> str:
@@ -279,6 +300,8 @@ def _check_experts_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, roo
     NVFP4 MoE loaders keep only the gate's (w13_*[:, 0]) and would run the up rows with it."""
     for name, qe in plan.experts.items():
         lin = {(e, p): n for e, p, n in qe.linears}
+        if (0, "gate") not in lin:  # gpt-oss: gate and up are one stored Linear
+            continue
         for e in range(qe.experts):
             g, u = lin[(e, "gate")], lin[(e, "up")]
             for buf in ("weight_global_scale",) + (("input_global_scale",) if qe.scheme.inputs else ()):

@@ -243,7 +243,7 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
     if not isinstance(cfg, DistillConfig):
         raise TypeError(f"cfg must be a DistillConfig, not {type(cfg).__name__}")
     if not lsq_layers(student):
-        raise ValueError("student has no LSQLinear layers: run blockscale.lsq.enable(student, ...) first")
+        raise ValueError("student has no LSQLinear layers or LSQExperts: run blockscale.lsq.enable(student, ...) first")
     if not torch.is_tensor(tokens) or tokens.dim() != 2 or tokens.is_floating_point():
         raise ValueError(f"tokens must be an integer tensor [n, T], got "
                          f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}")

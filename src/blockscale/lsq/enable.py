@@ -1,6 +1,7 @@
 """Learnable NVFP4 block scales on a PTQ model: ``enable`` swaps every ``NVFP4Linear`` for an
-``LSQLinear`` (latent FP32 weight + trainable block amax), ``freeze`` swaps them back with the learned
-scales (tied: standard NVFP4; dual: codes from s_pre, stored scales s_post: the exact export).
+``LSQLinear`` (latent FP32 weight + trainable block amax) and every ``NVFP4Experts`` for an ``LSQExperts``
+(``lsq.experts``: per-expert amaxes), ``freeze`` swaps them back with the learned scales (tied: standard
+NVFP4; dual: codes from s_pre, stored scales s_post: the exact export).
 
     bs.lsq.enable(model, mode="dual")          # step-0 logits == the PTQ model's, bit for bit
     ... train bs.lsq.scale_parameters(model) ...
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.nvfp4_experts import NVFP4Experts
 from ..nn.nvfp4_linear import NVFP4Linear
+from .experts import LSQExperts, enable_experts, freeze_experts
 from .quantizer import LSQ_INITS, LSQ_MODES, NVFP4ScaleLearner, _amax_for_scales
 
 ENABLE_INITS = ("stored",) + LSQ_INITS
@@ -70,14 +73,18 @@ def _latent_weight(name: str, m: NVFP4Linear, weights) -> torch.Tensor:
 def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
            weights: Union[nn.Module, dict, None] = None, grad_scale: float = 1.0,
            train_weights: bool = False) -> list[str]:
-    """Make the block scales of every ``NVFP4Linear`` in ``model`` trainable (in place); returns the names.
+    """Make the block scales of every ``NVFP4Linear`` and ``NVFP4Experts`` (fused MoE experts) in ``model``
+    trainable (in place); returns the names (Linears first, then the experts modules).
 
     mode: "tied" (one amax per block) or "dual" (amax_pre for the codes, amax_post for the value).
     init: "stored" (the PTQ model's E4M3 scales) or a scale rule "6" / "4over6" / "sweep" ("mse") /
       "4" applied to the latent weight with the layer's outer scale S (kept fixed: fused groups keep
       sharing it).
     weights: the latent FP32 weights: a module with the same names (e.g. the full-precision model of an
-      RTN-quantized one) or a {name: tensor} dict; None: the PTQ model's dequantized weights.
+      RTN-quantized one) or a {name: tensor} dict (experts: keys ``name.gate_up_proj`` / ``name.down_proj``);
+      None: the PTQ model's dequantized weights.
+    Experts (``lsq.experts``): per expert and projection block amaxes [E, rows, inputs/16], the per-expert
+      outer scales fixed (gate and up keep sharing theirs), W4A4 input scales fixed.
     With init "stored" and no ``weights`` the step-0 forward equals the PTQ model's bit for bit (for
     any PTQ method); so does init=rule with the full-precision weights of a model quantized by RTN with
     that rule (without smoothing).
@@ -87,8 +94,9 @@ def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
     if init not in ENABLE_INITS:
         raise ValueError(f"init={init!r}; allowed values: {', '.join(ENABLE_INITS)}")
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
-    if not targets:
-        raise ValueError("model has no NVFP4Linear layers: quantize it first (blockscale quantize / quantize_model)")
+    if not targets and not any(isinstance(m, NVFP4Experts) for m in model.modules()):
+        raise ValueError("model has no NVFP4Linear layers or NVFP4Experts: quantize it first (blockscale quantize / "
+                         "quantize_model)")
     for name, m in targets:
         w = _latent_weight(name, m, weights).to(m.weight_packed.device)
         S = m.weight_global_scale.reshape(())
@@ -100,17 +108,18 @@ def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
                 p.data.copy_(amax)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, LSQLinear(m, learner))
-    return [n for n, _ in targets]
+    return [n for n, _ in targets] + enable_experts(model, mode, init, weights, grad_scale, train_weights)
 
 
 def freeze(model: nn.Module) -> list[str]:
-    """Replace every ``LSQLinear`` by its ``NVFP4Linear`` with the learned scales (ready to export)."""
+    """Replace every ``LSQLinear`` by its ``NVFP4Linear`` and every ``LSQExperts`` by its ``NVFP4Experts``, with
+    the learned scales (ready to export); returns the names."""
     names = [n for n, m in model.named_modules() if isinstance(m, LSQLinear)]
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, getattr(owner, child).to_nvfp4_linear())
-    return names
+    return names + freeze_experts(model)
 
 
 def scale_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -120,11 +129,18 @@ def scale_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def weight_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The latent FP32 weights of the LSQ layers (trainable only with ``train_weights=True``)."""
-    return [m.learner.weight for m in model.modules() if isinstance(m, LSQLinear)]
+    out = []
+    for m in model.modules():
+        if isinstance(m, LSQLinear):
+            out.append(m.learner.weight)
+        elif isinstance(m, LSQExperts):
+            out += [learner.weight for learner in m.learners().values()]
+    return out
 
 
-def lsq_layers(model: nn.Module) -> dict[str, LSQLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, LSQLinear)}
+def lsq_layers(model: nn.Module) -> dict[str, Union[LSQLinear, LSQExperts]]:
+    """The scale-learning modules of ``model`` by name: LSQLinear layers and LSQExperts (fused MoE experts)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LSQLinear, LSQExperts))}
 
 
 __all__ = ["ENABLE_INITS", "LSQLinear", "enable", "freeze", "lsq_layers", "scale_parameters", "weight_parameters"]

@@ -62,41 +62,44 @@ class _LSQFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, amax_pre, amax_post, S, grad_scale):
-        N, K = w.shape
-        xb = w.detach().float().reshape(N, K // BLOCK, BLOCK)
+        # w [..., N, K], amax [..., N, K/16], S broadcasting against amax ([] or e.g. [E, 1, 1] per expert)
+        *lead, N, K = w.shape
+        xb = w.detach().float().reshape(*lead, N, K // BLOCK, BLOCK)
         inv_s = _inv(S)
+        inv_b = inv_s.unsqueeze(-1) if inv_s.dim() else inv_s  # against the blocks [..., N, nb, 16]
         s_pre = block_scales(amax_pre, S).unsqueeze(-1)
         s_post = s_pre if amax_post is None else block_scales(amax_post, S).unsqueeze(-1)
-        u, q, _, _ = _signed(xb, s_pre, inv_s)
+        u, q, _, _ = _signed(xb, s_pre, inv_b)
         ctx.save_for_backward(u, q, s_pre, s_post)
         ctx.tied = amax_post is None
         ctx.grad_scale = grad_scale
-        return ((q * s_post) * inv_s).reshape(N, K)
+        return ((q * s_post) * inv_b).reshape(*lead, N, K)
 
     @staticmethod
     def backward(ctx, gout):
         u, q, s_pre, s_post = ctx.saved_tensors
-        N, nb, _ = u.shape
-        g = gout.float().reshape(N, nb, BLOCK)
+        *lead, N, nb, _ = u.shape
+        g = gout.float().reshape(*lead, N, nb, BLOCK)
         inside = (u.abs() <= 6.0) & (s_pre > 0)
         k = ctx.grad_scale / 6.0
         zero = torch.zeros_like(u)
         if ctx.tied:
             d_s = (g * (q - torch.where(inside, u, zero))).sum(-1)
             dw = torch.where(inside, g, zero)
-            return dw.reshape(N, nb * BLOCK), d_s * k, None, None, None
+            return dw.reshape(*lead, N, nb * BLOCK), d_s * k, None, None, None
         ratio = torch.where(s_pre > 0, s_post / torch.where(s_pre > 0, s_pre, torch.ones_like(s_pre)),
                             torch.zeros_like(s_pre))
         d_post = (g * q).sum(-1)
         d_pre = (g * torch.where(inside, -ratio * u, zero)).sum(-1)
         dw = torch.where(inside, g * ratio, zero)
-        return dw.reshape(N, nb * BLOCK), d_pre * k, d_post * k, None, None
+        return dw.reshape(*lead, N, nb * BLOCK), d_pre * k, d_post * k, None, None
 
 
 def lsq_fake_quantize(w: torch.Tensor, amax: torch.Tensor, encode_scale: torch.Tensor,
                       amax_post: torch.Tensor | None = None, grad_scale: float = 1.0) -> torch.Tensor:
-    """Functional form: the LSQ fake-quantized FP32 ``w`` [N, K] (tied if ``amax_post`` is None, else
-    dual with ``amax`` as amax_pre), differentiable w.r.t. ``w`` and the amax tensor(s)."""
+    """Functional form: the LSQ fake-quantized FP32 ``w`` [..., N, K] (tied if ``amax_post`` is None, else
+    dual with ``amax`` as amax_pre), differentiable w.r.t. ``w`` and the amax tensor(s) [..., N, K/16];
+    ``encode_scale`` broadcasts against the amaxes (one scalar, or e.g. [E, 1, 1]: one per expert)."""
     return _LSQFn.apply(w, amax, amax_post, encode_scale, float(grad_scale))
 
 

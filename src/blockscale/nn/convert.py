@@ -10,8 +10,15 @@ models, ``h`` in GPT-2, ``layer`` in BERT). Parameters are shared, not copied, s
 ``state_dict`` keys are unchanged.
 
 MoE experts (``GroupedExperts``, stacked weights, not nn.Linear) follow the same rules by module
-name and get the linear recipe in place (``experts.recipe``). MoE routers are not nn.Linear
-layers, so they always stay in high precision (the default ``exclude`` names them too).
+name and get the linear recipe in place (``experts.recipe``). transformers' fused experts modules
+(3-D ``gate_up_proj`` / ``down_proj``: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) follow them
+too and are replaced by a ``QuantizedFusedExperts`` holding the same Parameters (``nn.hf_experts``: one
+recipe GEMM per expert and projection); a fused layout it does not support (e.g. gpt-oss: transposed,
+interleaved, biases) is left as it is and listed in ``report.unsupported``. MoE routers are not
+nn.Linear layers, so they always stay in high precision (the default ``exclude`` names them too).
+
+"Experts only" (e.g. NVFP4 on the experts, everything else as it is): ``experts_only(recipe)``, i.e. the
+recipe with ``exclude: ['^(?!(.*\\.)?experts$)']`` (every module whose name is not ``...experts``).
 """
 from __future__ import annotations
 
@@ -21,13 +28,20 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..recipes import Recipe, get_recipe
+from .hf_experts import QuantizedFusedExperts, fused_experts_to_convert
 from .linear import QuantizedLinear
 from .moe import GroupedExperts
+from .nvfp4_experts import fused_experts_layout
+
+#: the ``exclude`` pattern of ``experts_only``: every module not named ``experts`` (or ``...experts``)
+EXPERTS_ONLY_EXCLUDE = r"^(?!(.*\.)?experts$)"
 
 
 @dataclass
 class ConversionReport:
-    """What ``convert`` did: module name -> recipe name, plus the excluded linear layers."""
+    """What ``convert`` did: module name -> recipe name, plus the excluded linear layers. ``experts``: the
+    transformers fused-experts modules among ``converted``; ``unsupported``: fused-experts modules left as
+    they are (name -> why)."""
 
     recipe: str
     converted: dict = field(default_factory=dict)
@@ -35,6 +49,8 @@ class ConversionReport:
     blocks: str | None = None
     n_blocks: int = 0
     n_last_blocks: int = 0
+    experts: list = field(default_factory=list)
+    unsupported: dict = field(default_factory=dict)
 
     def counts(self) -> dict:
         out: dict = {}
@@ -44,10 +60,14 @@ class ConversionReport:
 
     def __str__(self) -> str:
         per = ", ".join(f"{n} x {r}" for r, n in self.counts().items()) or "nothing"
-        s = f"convert({self.recipe}): {len(self.converted)} linear layers converted ({per}); "
+        n_lin = len(self.converted) - len(self.experts)
+        what = f"{n_lin} linear layers" + (f" and {len(self.experts)} fused experts modules" if self.experts else "")
+        s = f"convert({self.recipe}): {what} converted ({per}); "
         s += f"{len(self.excluded)} kept as they are"
         if self.excluded:
             s += f" ({', '.join(self.excluded[:6])}{', ...' if len(self.excluded) > 6 else ''})"
+        if self.unsupported:
+            s += f"; fused experts left as they are: {', '.join(f'{n} ({w})' for n, w in self.unsupported.items())}"
         if self.blocks is not None:
             s += f"; {self.n_blocks} blocks in '{self.blocks}', last {self.n_last_blocks} in the high-precision recipe"
         return s
@@ -79,8 +99,9 @@ def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> ConversionReport:
-    """Swap ``model``'s nn.Linear layers for QuantizedLinear per ``recipe`` (a Recipe, built-in name
-    or YAML path), in place. Already converted layers get the new recipe. Returns a report."""
+    """Swap ``model``'s nn.Linear layers for QuantizedLinear (and transformers' fused experts for
+    QuantizedFusedExperts) per ``recipe`` (a Recipe, built-in name or YAML path), in place. Already
+    converted layers get the new recipe. Returns a report."""
     recipe: Recipe = get_recipe(recipe)
     last = get_recipe(recipe.last_blocks_recipe) if recipe.last_blocks_recipe else None
     blocks, n_blocks = find_blocks(model)
@@ -88,17 +109,27 @@ def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> 
     first_last = n_blocks - n_last
     report = ConversionReport(recipe=recipe.name, blocks=blocks, n_blocks=n_blocks, n_last_blocks=n_last)
     patterns = [re.compile(p) for p in recipe.exclude]
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, (nn.Linear, GroupedExperts))]
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, (nn.Linear, GroupedExperts, QuantizedFusedExperts)) or fused_experts_to_convert(mod)]
     for name, mod in targets:
         if any(p.search(name) for p in patterns):
             report.excluded.append(name)
             continue
+        hf_experts = isinstance(mod, QuantizedFusedExperts) or fused_experts_to_convert(mod)
+        why = fused_experts_layout(mod) if fused_experts_to_convert(mod) else None
+        if why is not None:
+            report.unsupported[name] = why
+            continue
         idx = _block_index(name, blocks)
         use = last if (last is not None and idx is not None and idx >= first_last) else recipe
-        if isinstance(mod, (QuantizedLinear, GroupedExperts)):
+        if isinstance(mod, (QuantizedLinear, GroupedExperts, QuantizedFusedExperts)):
             mod.recipe, mod.generator = use.linear, generator
+        elif hf_experts:
+            _set_child(model, name, QuantizedFusedExperts(mod, use.linear, generator))
         else:
             _set_child(model, name, QuantizedLinear.from_linear(mod, use.linear, generator))
+        if hf_experts:
+            report.experts.append(name)
         report.converted[name] = use.name
     if verbose:
         print(report)
@@ -106,12 +137,23 @@ def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> 
 
 
 def unconvert(model: nn.Module) -> int:
-    """Replace every QuantizedLinear in ``model`` by a plain nn.Linear (shared parameters) and clear
+    """Replace every QuantizedLinear in ``model`` by a plain nn.Linear (shared parameters), every
+    QuantizedFusedExperts by the transformers module it replaced (holding its Parameters), and clear
     the recipe of every quantized GroupedExperts; returns the count of modules changed."""
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, QuantizedLinear)]
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, (QuantizedLinear,
+                                                                                     QuantizedFusedExperts))]
     for name, mod in targets:
-        _set_child(model, name, mod.to_linear())
+        _set_child(model, name, mod.to_linear() if isinstance(mod, QuantizedLinear) else mod.original())
     experts = [mod for mod in model.modules() if isinstance(mod, GroupedExperts) and mod.recipe is not None]
     for mod in experts:
         mod.recipe, mod.generator = None, None
     return len(targets) + len(experts)
+
+
+def experts_only(recipe, name: str | None = None) -> Recipe:
+    """``recipe`` (a Recipe, built-in name or YAML path) applied to the MoE experts modules only: its
+    ``exclude`` becomes ``EXPERTS_ONLY_EXCLUDE`` (every module whose name is not ``experts`` or ends in
+    ``.experts``: attention, dense MLPs, shared experts, routers, embeddings, head stay as they are).
+    Named ``name`` (default ``"<recipe>-experts"``)."""
+    r = get_recipe(recipe)
+    return r.with_(name=name or f"{r.name}-experts", exclude=(EXPERTS_ONLY_EXCLUDE,))

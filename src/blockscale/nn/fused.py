@@ -1,5 +1,7 @@
-"""Fused groups: sibling Linears that serving engines run as one GEMM (q/k/v, gate/up, w1/w3) and
-that therefore must share one NVFP4 outer scale."""
+"""Fused groups: sibling Linears that serving engines run as one GEMM (q/k/v, gate/up, w1/w3, and
+DeepSeek's MLA pair q_a_proj / kv_a_proj_with_mqa, which vLLM loads as one ``fused_qkv_a_proj`` and
+SGLang as one ``fused_qkv_a_proj_with_mqa`` when ``q_lora_rank`` is set) and that therefore must share
+one NVFP4 outer scale."""
 from __future__ import annotations
 
 FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (
@@ -7,6 +9,7 @@ FUSED_SIBLINGS: tuple[tuple[str, ...], ...] = (
     ("gate_proj", "up_proj"),
     ("w1", "w3"),
     ("wq", "wk", "wv"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
 )
 
 

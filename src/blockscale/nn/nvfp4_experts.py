@@ -1,5 +1,5 @@
 """NVFP4Experts: the NVFP4 inference replacement of a transformers fused-experts module (Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE: ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] 3-D parameters,
+Qwen3-MoE, OLMoE, DeepSeek-V3 routed experts: ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] 3-D parameters,
 ``forward(hidden_states, top_k_index, top_k_weights)``).
 
 Each expert e has its own NVFP4 weights: the gate/up rows [2I, H] share one FP32 outer encode scale
@@ -23,7 +23,15 @@ from ..quant import NVFP4, QuantizedTensor, fake_quantize
 from ..quant.nvfp4 import INPUT_SCALE_RULES
 
 #: the fused-experts classes of transformers >= 5 known to have the layout above (checked anyway)
-KNOWN_FUSED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "OlmoeExperts")
+KNOWN_FUSED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "OlmoeExperts",
+                       "DeepseekV3Experts")
+#: fused-experts classes that are not this layout, with the reason (``fused_experts_layout``). gpt-oss has
+#: its own class, ``nn.nvfp4_gpt_oss_experts.NVFP4GptOssExperts`` (PTQ, export and load use it).
+UNSUPPORTED_FUSED_EXPERTS = {
+    "GptOssExperts": ("gpt-oss experts (gate_up_proj [E, H, 2I] transposed with gate / up columns interleaved, "
+                      "gate_up_proj_bias / down_proj_bias, a clamped GLU) are not the standard fused layout; only PTQ "
+                      "supports them (NVFP4GptOssExperts, blockscale.nn.nvfp4_gpt_oss_experts)"),
+}
 _FUSED_PARAMS = ("gate_up_proj", "down_proj")
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _PROJ = ("gate_up", "down")
@@ -39,6 +47,8 @@ def fused_experts_layout(module: nn.Module) -> Optional[str]:
     """Why ``module`` (fused 3-D expert parameters) cannot become an ``NVFP4Experts``, or None when it can:
     exactly the parameters gate_up_proj [E, 2I, H] and down_proj [E, H, I] (concatenated gate;up rows,
     not transposed, no biases), no buffers, an ``act_fn`` and ``num_experts`` = E."""
+    if type(module).__name__ in UNSUPPORTED_FUSED_EXPERTS:
+        return UNSUPPORTED_FUSED_EXPERTS[type(module).__name__]
     params = {k: p for k, p in module._parameters.items() if p is not None}
     if set(params) != set(_FUSED_PARAMS):
         return f"parameters {sorted(params)}; the supported layout has exactly gate_up_proj and down_proj"
@@ -72,6 +82,17 @@ def _shell(module: nn.Module) -> nn.Module:
     shell._modules = dict(module._modules)
     shell.training = False
     return shell
+
+
+def check_expert_counts(E: int, gate_up: list, down: list, gate_up_input_scale, down_input_scale,
+                        input_scale_rule) -> None:
+    """ValueError unless there are E quantized experts per projection and, for W4A4 (``input_scale_rule``
+    set), both input scales (none of them for W4A16)."""
+    if len(gate_up) != E or len(down) != E:
+        raise ValueError(f"expected {E} quantized experts per projection, got {len(gate_up)} and {len(down)}")
+    if (gate_up_input_scale is None) != (input_scale_rule is None) or \
+            (down_input_scale is None) != (input_scale_rule is None):
+        raise ValueError("W4A4 needs both input scales and input_scale_rule (or none of them for W4A16)")
 
 
 class NVFP4Experts(nn.Module):
@@ -113,6 +134,11 @@ class NVFP4Experts(nn.Module):
         return "nvfp4-w4a16" if self.input_scale_rule is None else "nvfp4-w4a4"
 
     @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the forward runs the dequantized weights in (the replaced module's)."""
+        return self._dtype
+
+    @property
     def weight_elements(self) -> int:
         """Elements of the weights this module stands for: E * (2I*H + H*I)."""
         return 3 * self.num_experts * self.intermediate_dim * self.hidden_dim
@@ -130,30 +156,33 @@ class NVFP4Experts(nn.Module):
         if why is not None:
             raise ValueError(f"{type(module).__name__}: {why}")
         E, two_i, H = module.gate_up_proj.shape
-        if len(gate_up) != E or len(down) != E:
-            raise ValueError(f"expected {E} quantized experts per projection, got {len(gate_up)} and {len(down)}")
-        if (gate_up_input_scale is None) != (input_scale_rule is None) or \
-                (down_input_scale is None) != (input_scale_rule is None):
-            raise ValueError("W4A4 needs both input scales and input_scale_rule (or none of them for W4A16)")
-        dtype = module.gate_up_proj.dtype
+        check_expert_counts(E, gate_up, down, gate_up_input_scale, down_input_scale, input_scale_rule)
         m = cls(E, H, two_i // 2, act_fn=module.act_fn, input_scale_rule=input_scale_rule, input_error=input_error,
-                dtype=dtype, device=module.gate_up_proj.device)
+                dtype=module.gate_up_proj.dtype, device=module.gate_up_proj.device)
+        m.fill_weights(gate_up, down, gate_up_input_scale, down_input_scale)
+        m.__dict__["_hf_shell"] = _shell(module)
+        return m
+
+    @torch.no_grad()
+    def fill_weights(self, gate_up: list[QuantizedTensor], down: list[QuantizedTensor],
+                     gate_up_input_scale: Optional[torch.Tensor] = None,
+                     down_input_scale: Optional[torch.Tensor] = None) -> None:
+        """Copy expert e's NVFP4 weights ``gate_up[e]`` / ``down[e]`` (one outer scale each, shaped like
+        this module's rows x inputs) and, W4A4, the [E] input encode scales into the buffers."""
         for p, qs in zip(_PROJ, (gate_up, down)):
-            packed = getattr(m, f"{p}_weight_packed")
+            packed = getattr(self, f"{p}_weight_packed")
+            want = tuple(packed.shape[1:-1]) + (2 * packed.shape[-1],)
             for e, q in enumerate(qs):
-                if not isinstance(q.spec, NVFP4) or tuple(q.shape) != tuple(packed.shape[1:-1]) + (2 * packed.shape[-1],):
-                    raise ValueError(f"{p} expert {e}: expected an NVFP4 QuantizedTensor of shape "
-                                     f"{tuple(packed.shape[1:-1]) + (2 * packed.shape[-1],)}, got {q!r}")
+                if not isinstance(q.spec, NVFP4) or tuple(q.shape) != want:
+                    raise ValueError(f"{p} expert {e}: expected an NVFP4 QuantizedTensor of shape {want}, got {q!r}")
                 if q.outer_scale.numel() != 1:
                     raise ValueError(f"{p} expert {e}: one outer scale per expert expected")
                 packed[e].copy_(q.codes)
-                getattr(m, f"{p}_weight_scale")[e].copy_(q.scales)
-                getattr(m, f"{p}_weight_global_scale")[e] = q.outer_scale.reshape(())
-        if input_scale_rule is not None:
-            m.gate_up_input_global_scale.copy_(gate_up_input_scale.reshape(E))
-            m.down_input_global_scale.copy_(down_input_scale.reshape(E))
-        m.__dict__["_hf_shell"] = _shell(module)
-        return m
+                getattr(self, f"{p}_weight_scale")[e].copy_(q.scales)
+                getattr(self, f"{p}_weight_global_scale")[e] = q.outer_scale.reshape(())
+        if self.input_scale_rule is not None:
+            self.gate_up_input_global_scale.copy_(gate_up_input_scale.reshape(self.num_experts))
+            self.down_input_global_scale.copy_(down_input_scale.reshape(self.num_experts))
 
     def quantized_weight(self, proj: str, expert: int) -> QuantizedTensor:
         """Expert ``expert``'s weight of ``proj`` ("gate_up" or "down") as a QuantizedTensor (shares the buffers)."""
@@ -188,7 +217,13 @@ class NVFP4Experts(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.dequantized(self._dtype)
+        return self.forward_with(hidden_states, top_k_index, top_k_weights, *self.dequantized(self._dtype))
+
+    def forward_with(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     gate_up: torch.Tensor, down: torch.Tensor, quantize_input=None) -> torch.Tensor:
+        """The forward on the given (e.g. differentiable) weights gate_up [E, 2I, H] / down [E, H, I] in place
+        of the stored ones; W4A4: ``quantize_input(x, proj, expert)`` in place of ``self.quantize_input``
+        (scale learning passes a straight-through version of it). ``forward`` = this on ``dequantized()``."""
         shell = self._hf_shell
         if self.input_scale_rule is None and shell is not None:
             shell.__dict__["gate_up_proj"], shell.__dict__["down_proj"] = gate_up, down
@@ -196,10 +231,12 @@ class NVFP4Experts(nn.Module):
                 return type(shell).forward(shell, hidden_states, top_k_index, top_k_weights)
             finally:
                 del shell.__dict__["gate_up_proj"], shell.__dict__["down_proj"]
-        return self._eager(hidden_states, top_k_index, top_k_weights, gate_up, down)
+        return self._eager(hidden_states, top_k_index, top_k_weights, gate_up, down, quantize_input)
 
-    def _eager(self, hidden_states, top_k_index, top_k_weights, gate_up, down) -> torch.Tensor:
-        """The transformers eager routing loop (MixtralExperts.forward), inputs quantized per expert."""
+    def _eager(self, hidden_states, top_k_index, top_k_weights, gate_up, down, quantize_input=None) -> torch.Tensor:
+        """The transformers eager routing loop (MixtralExperts.forward), inputs quantized per expert
+        (``quantize_input``, default ``self.quantize_input``)."""
+        quantize_input = quantize_input or self.quantize_input
         final_hidden_states = torch.zeros_like(hidden_states)
         with torch.no_grad():
             expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
@@ -211,9 +248,9 @@ class NVFP4Experts(nn.Module):
                 continue
             e = int(expert_idx)
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = self.quantize_input(hidden_states[token_idx], "gate_up", e)
+            current_state = quantize_input(hidden_states[token_idx], "gate_up", e)
             gate, up = nn.functional.linear(current_state, gate_up[expert_idx]).chunk(2, dim=-1)
-            current_hidden_states = self.quantize_input(self.act_fn(gate) * up, "down", e)
+            current_hidden_states = quantize_input(self.act_fn(gate) * up, "down", e)
             current_hidden_states = nn.functional.linear(current_hidden_states, down[expert_idx])
             current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
@@ -229,4 +266,5 @@ class NVFP4Experts(nn.Module):
                 f"intermediate_dim={self.intermediate_dim}, {act}")
 
 
-__all__ = ["KNOWN_FUSED_EXPERTS", "NVFP4Experts", "fused_experts_layout", "has_fused_expert_parameters"]
+__all__ = ["KNOWN_FUSED_EXPERTS", "NVFP4Experts", "UNSUPPORTED_FUSED_EXPERTS", "check_expert_counts",
+           "fused_experts_layout", "has_fused_expert_parameters"]

@@ -12,12 +12,14 @@ from ..recipes.ptq_builtin import get_ptq_recipe
 from ..recipes.ptq_recipe import PTQRecipe, Scheme
 from ..recipes.ptq_serialize import ptq_recipe_to_dict
 from ..recipes.recipe import DEFAULT_EXCLUDE, check_patterns  # embeddings, the output head, MoE routers: as in training
+from .fused_experts import OUTER_SCALE_MODES
 from .methods import METHODS, get_method
 from .protocol import PTQMethod
 
 WEIGHT_SCALE_RULES = ("6", "4over6", "sweep")
 ACTIVATIONS = ("w4a16", "w4a4")
 ACT_SCALE_RULES = ("6", "4over6")
+EXPERT_OUTER_SCALES = OUTER_SCALE_MODES  # "expert", "tensor"
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -51,6 +53,16 @@ class PTQConfig:
       recipe those fields must stay at their defaults (set the options on the recipe's schemes, e.g.
       ``recipe.with_nvfp4(scale_rule="sweep")``, and its ``ignore``). ``ptq_recipe``: the effective one.
     Fused groups (q/k/v, gate/up, w1/w3) always share one weight outer scale.
+    calibrate_all_experts: MoE experts' statistics (GPTQ Hessians, AWQ samples, SmoothQuant / W4A4
+      amax) from every calibration token run through every expert, for statistics only (the layer's
+      output, hence the next layer's inputs, stay the routed ones); False: each expert sees the tokens
+      routed to it. Applies to fused 3-D experts and to the per-expert nn.Linear layout.
+    expert_outer_scale: the weight outer scale of MoE experts (NVFP4 outer scale, FP8 tensor scale): "expert" (one per expert and
+      projection; gate/up of one expert share theirs) or "tensor" (one per projection shared by all the
+      module's experts: ``shared_outer_scale`` over every expert's gate+up rows, and over every down).
+      The per-expert nn.Linear layout (``<m>.experts.{e}.w1`` ...) follows it too: "expert" shares
+      w1/w3 (gate/up) per expert, "tensor" shares one over every expert's w1/w3 and one over every w2.
+    Both are in ``to_dict`` only when not at their defaults.
     """
 
     method: str = "rtn"
@@ -62,6 +74,8 @@ class PTQConfig:
     recipe: Optional[PTQRecipe] = None
     skip_indivisible: bool = False
     allow_partial: bool = False
+    calibrate_all_experts: bool = False
+    expert_outer_scale: str = "expert"
     # calibration
     n_samples: int = 128
     seq_len: int = 512
@@ -85,7 +99,8 @@ class PTQConfig:
             raise UsageError(f"options is a {type(self.options).__name__}, but method={self.method!r} takes "
                              f"{cls.Options.__name__} (pass options={cls.Options.__name__}(...), or leave options "
                              "out for its defaults)")
-        for name in ("skip_indivisible", "allow_partial"):
+        _choice("expert_outer_scale", self.expert_outer_scale, EXPERT_OUTER_SCALES)
+        for name in ("skip_indivisible", "allow_partial", "calibrate_all_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name}={getattr(self, name)!r}: expected True or False")
         for name in ("n_samples", "seq_len", "batch_size"):
@@ -142,17 +157,28 @@ class PTQConfig:
 
     @property
     def label(self) -> str:
-        """Short name for tables: e.g. "gptq 4over6-mse w4a4"; with a recipe "rtn fp8 (fp8-w8a8)"."""
+        """Short name for tables: e.g. "gptq 4over6-mse w4a4"; with a recipe "rtn fp8 (fp8-w8a8)"; then
+        " experts:tensor" / " calibrate-all-experts" when set."""
         if self.recipe is not None:
-            return f"{self.method} {self.recipe.label}"
+            return f"{self.method} {self.recipe.label}" + self._experts_label
         rule = self.scale_rule + (f"-{self.error}" if self.scale_rule == "4over6" else "")
         act = self.activations + (f" a:{self.act_scale_rule}" if self.activations == "w4a4" and self.act_scale_rule != "6" else "")
-        return f"{self.method} {rule} {act}"
+        return f"{self.method} {rule} {act}" + self._experts_label
+
+    @property
+    def _experts_label(self) -> str:
+        """The label's tail: ' experts:tensor' / ' calibrate-all-experts' when set, else ''."""
+        return ((" experts:tensor" if self.expert_outer_scale == "tensor" else "")
+                + (" calibrate-all-experts" if self.calibrate_all_experts else ""))
 
     def to_dict(self) -> dict:
         """Every field; ``options`` as a dict of the method's options; ``recipe`` (only when given) as
-        ``recipes.ptq_recipe_to_dict`` writes it."""
+        ``recipes.ptq_recipe_to_dict`` writes it; ``calibrate_all_experts`` / ``expert_outer_scale`` only
+        when not at their defaults."""
         d = asdict(self)
+        for name, default in (("calibrate_all_experts", False), ("expert_outer_scale", "expert")):
+            if d[name] == default:
+                del d[name]
         d["exclude"] = list(self.exclude)
         if self.recipe is None:
             del d["recipe"]
@@ -161,4 +187,5 @@ class PTQConfig:
         return d
 
 
-__all__ = ["ACTIVATIONS", "ACT_SCALE_RULES", "DEFAULT_EXCLUDE", "METHODS", "PTQConfig", "WEIGHT_SCALE_RULES"]
+__all__ = ["ACTIVATIONS", "ACT_SCALE_RULES", "DEFAULT_EXCLUDE", "EXPERT_OUTER_SCALES", "METHODS", "PTQConfig",
+           "WEIGHT_SCALE_RULES"]

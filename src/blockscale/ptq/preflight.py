@@ -21,13 +21,16 @@ from ..errors import DataError, QuantizationError, UsageError
 from ..nn.coverage import Coverage, weight_coverage
 from ..nn.fused import fused_groups
 from ..nn.nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
-from .config import PTQConfig
+from ..nn.nvfp4_gpt_oss_experts import GPT_OSS_EXPERTS, is_gpt_oss_experts
+from .config import METHODS, PTQConfig
 from .finite import check_finite_parameters, non_finite_error
 from .scheme_plan import assign_schemes
 
 # above this share of the decoder-layer weight elements left in high precision, PTQ refuses to call
 # the result an NVFP4 model unless PTQConfig.allow_partial
 PARTIAL_LIMIT = 0.5
+#: PTQ methods that quantize gpt-oss experts (GptOssExperts): per-expert weights only, no smoothing folds
+GPT_OSS_METHODS = ("rtn", "gptq")
 
 
 @dataclass
@@ -116,11 +119,13 @@ def _choose_experts(model: nn.Module, layer: nn.Module, lprefix: str, config: PT
         if scheme.family != "nvfp4":
             raise QuantizationError(f"{full}: scheme {scheme.label} is not yet supported for fused experts "
                                     f"({type(m).__name__}; NVFP4 schemes only for now); {keep}")
-        why = fused_experts_layout(m)
+        why = None if is_gpt_oss_experts(m) else fused_experts_layout(m)  # gpt-oss: NVFP4GptOssExperts
         if why is not None:
             raise QuantizationError(f"{full}: {type(m).__name__} holds fused 3-D expert parameters in a layout PTQ "
                                     f"does not know ({why}); {keep}")
         E, two_i, H = m.gate_up_proj.shape
+        if is_gpt_oss_experts(m):  # gate_up_proj [E, H, 2I]
+            E, H, two_i = m.gate_up_proj.shape
         if H % 16 or (two_i // 2) % 16:
             why = (f"{full}: hidden size {H} / intermediate size {two_i // 2} is not a multiple of 16, which NVFP4 "
                    "checkpoints need")
@@ -138,9 +143,11 @@ def check_experts_method(method, experts: list) -> None:
     cannot quantize them yet (``PTQMethod.quantizes_fused_experts``)."""
     names = [n for layer in experts for n in layer]
     if names and not getattr(method, "quantizes_fused_experts", False):
+        able = [n for n, cls in METHODS.items() if cls.quantizes_fused_experts]
         raise QuantizationError(f"{names[0]}: method={method.name!r} is not yet supported for fused experts "
                                 f"({len(names)} fused-experts module{'s' if len(names) != 1 else ''}); use "
-                                "method='rtn', or keep the experts in high precision with exclude=[...]")
+                                f"method={' / '.join(map(repr, able))}, or keep the experts in high precision with "
+                                "exclude=[...]")
 
 
 def plan_quantization(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQConfig) -> Plan:
@@ -218,6 +225,12 @@ def check_layers(layers: nn.ModuleList, prefix: str, config: PTQConfig) -> None:
     fold scales into each layer's norms and Linears), a QuantizationError naming the layer."""
     method = config.make_method()
     for i, layer in enumerate(layers):
+        gpt_oss = next((n for n, m in layer.named_modules() if type(m).__name__ == GPT_OSS_EXPERTS), None)
+        if gpt_oss is not None and method.name not in GPT_OSS_METHODS:
+            raise QuantizationError(f"{prefix}.{i}: method={method.name!r} is not supported on gpt-oss layers "
+                                    f"({prefix}.{i}.{gpt_oss} is a GptOssExperts: biases, a clamped GLU, gate/up "
+                                    "interleaved; no smoothing folds are written for it); use "
+                                    f"method={' / '.join(map(repr, GPT_OSS_METHODS))}")
         method.check_layer(layer, f"{prefix}.{i}")
 
 
@@ -267,6 +280,7 @@ def check_calibration(model: nn.Module, calibration, config: PTQConfig) -> None:
                             f"{vocab}); got min {lo}, max {hi}")
 
 
-__all__ = ["PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_experts_method", "check_finite_parameters",
+__all__ = ["GPT_OSS_METHODS", "PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_experts_method",
+           "check_finite_parameters",
            "check_layers", "check_method_schemes", "coverage_line", "fused_experts_to_quantize", "non_finite_error",
            "plan_quantization", "vocab_size"]

@@ -18,7 +18,7 @@ the layer alone and round to nearest. Register it with ``ptq.methods.register_me
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
@@ -37,7 +37,14 @@ class LayerContext:
     nn.Linear to quantize. stats: full name -> its input statistics. weight_spec: the NVFP4 weight
     format of the flat config. act_scale_rule: the activations' scale rule for W4A4, None for W4A16
     (flat config). schemes: full name -> its ``recipes.Scheme`` (what each Linear becomes; None:
-    every Linear is NVFP4 with ``weight_spec`` / ``act_scale_rule``).
+    every Linear is NVFP4 with ``weight_spec`` / ``act_scale_rule``; quantize_model also gives each
+    fused-experts module's scheme). experts: full name -> the fused 3-D experts module of this layer to
+    quantize (``ptq.fused_experts``). expert_stats: full name -> its ``ExpertStatistics``
+    (``.stats["gate_up" | "down"][e]``: expert e's ``InputStatistics`` with the method's request).
+    expert_outer_scale: "expert" (gate/up of one expert share an outer scale) or "tensor" (one for all
+    experts' gate/up rows, one for all downs), as ``PTQConfig.expert_outer_scale``. notes:
+    ``transform_layer`` appends what it left undone in a layer it handles (e.g. "self_attn.o_proj not
+    smoothed: ..."; names relative to the layer); quantize_model reports each distinct one once.
     """
 
     module: nn.Module
@@ -47,6 +54,10 @@ class LayerContext:
     weight_spec: NVFP4
     act_scale_rule: Optional[str] = None
     schemes: Optional[dict] = None
+    experts: dict = field(default_factory=dict)
+    expert_stats: dict = field(default_factory=dict)
+    expert_outer_scale: str = "expert"
+    notes: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from ..nn.fused import fused_groups
 from ..quant import NVFP4
 from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
 from .config import PTQConfig
-from .fused_experts import ExpertsReport, observe_experts, quantize_experts
+from .fused_experts import ExpertsReport, expert_scale_groups, observe_experts, quantize_experts
 from .kv_calibration import calibrate_kv, check_kv_layers
 from .preflight import (check_calibration, check_coverage, check_experts_method, check_finite_parameters, check_layers,
                         check_method_schemes, plan_quantization)
@@ -67,7 +67,8 @@ class PTQReport:
     high_precision_fraction: their share of all decoder-layer weight elements (0 when all are quantized);
     kv_cache (recipes with a kv_cache): {attention module: {"k_amax", "v_amax", "k_scale", "v_scale"}}
     as lists (one value per layer, or one per KV head), s = amax / 448; experts: one ``ExpertsReport``
-    per fused 3-D experts module quantized (per-expert token counts, errors, input amax, notes)."""
+    per fused 3-D experts module quantized (per-expert token counts: seen by its statistics and routed to
+    it, errors, input amax, the outer-scale mode, notes)."""
 
     config: dict
     layers: int = 0
@@ -130,15 +131,19 @@ def _quantize_one(n: str, lin: nn.Linear, st: Optional[InputStatistics], S: Opti
 
 
 def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict, method: PTQMethod,
-                      report: PTQReport, alphas: dict[str, float], fallback_amax: float) -> None:
-    for group in fused_groups(list(linears)):
+                      report: PTQReport, alphas: dict[str, float], fallback_amax: float,
+                      expert_outer_scale: str = "expert") -> None:
+    groups = fused_groups(list(linears))
+    scale_group = {n: g for g in expert_scale_groups(groups, expert_outer_scale, schemes) for n in g}
+    for group in groups:
         scheme = schemes[group[0]]  # one per fused group (scheme_plan.assign_schemes)
         amaxes = [stats[n].amax for n in group if stats is not None and stats[n].tokens]
         in_amax = max(amaxes) if amaxes else fallback_amax
+        shared = scale_group[group[0]]  # the fused group, or every expert's (expert_outer_scale="tensor")
         try:
-            S = group_weight_scale(scheme, [linears[n].weight for n in group])
+            S = group_weight_scale(scheme, [linears[n].weight for n in shared])
         except ValueError as err:
-            raise QuantizationError(f"{', '.join(group)}: {err}") from err
+            raise QuantizationError(f"{', '.join(shared)}: {err}") from err
         for n in group:
             st = stats[n] if stats is not None else None
             try:
@@ -184,7 +189,8 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     (``config.exclude`` for the flat config) and its "bf16" Linears, becomes its scheme's module
     (``scheme_plan.assign_schemes``): NVFP4Linear, FP8Linear or MXLinear; every fused 3-D experts module
     (transformers >= 5 Mixtral / Qwen-MoE / OLMoE ``mlp.experts``) becomes an ``NVFP4Experts`` (NVFP4
-    schemes and RTN only for now; ``ptq.fused_experts``). ``calibration``: [n, T]
+    schemes; per-expert statistics, ``config.calibrate_all_experts`` / ``expert_outer_scale``;
+    ``ptq.fused_experts``). ``calibration``: [n, T]
     token ids (needed unless the method is RTN and no scheme has static activations nor the recipe a
     KV cache). ``device``: where each layer is processed (default: where the model is).
     Returns a report (per-linear errors and scheme, what stays in high precision, KV scales, time).
@@ -230,22 +236,30 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
         stats, alphas, ex_stats = None, {}, None
         if inputs is not None and (linears or experts):
             def record():
-                with observe_experts(experts, i, report.calibration_tokens, device) as ex:
-                    st = collect_statistics(layer, i, inputs, linears, request, device, report.calibration_tokens)
+                with observe_experts(experts, i, report.calibration_tokens, device, request,
+                                     config.calibrate_all_experts) as ex:
+                    st = collect_statistics(layer, i, inputs, linears, request, device, report.calibration_tokens,
+                                            config.calibrate_all_experts)
                 return st, ex
 
             stats, ex_stats = record()
-            if linears:
-                with torch.no_grad():
-                    alphas = method.transform_layer(LayerContext(layer, i, linears, stats, spec, act_rule,
-                                                                 {n: schemes[n] for n in linears}))
+            ctx = LayerContext(layer, i, linears, stats, spec, act_rule, {n: schemes[n] for n in [*linears, *experts]},
+                               experts, ex_stats or {}, config.expert_outer_scale)
+            with torch.no_grad():
+                alphas = method.transform_layer(ctx)
+            for note in ctx.notes:  # e.g. a group the method leaves alone in every MLA layer: said once
+                line = f"{prefix}.*.{note}"
+                if line not in report.warnings:
+                    report.warnings.append(line)
             static = any(schemes[n].static_activations for n in [*linears, *experts])
             if alphas and (static or method.quantizes_with_statistics):
                 stats, ex_stats = record()
         fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
         with torch.no_grad():
-            _quantize_linears(model, linears, stats, schemes, method, report, alphas, fallback)
-            quantize_experts(model, experts, ex_stats, schemes, method, report.experts, report.warnings, fallback)
+            _quantize_linears(model, linears, stats, schemes, method, report, alphas, fallback,
+                              config.expert_outer_scale)
+            quantize_experts(model, experts, ex_stats, schemes, method, report.experts, report.warnings, fallback,
+                             config.expert_outer_scale)
         if recipe.kv_cache is not None and inputs is not None:
             entries, kv_notes = calibrate_kv(layer, f"{prefix}.{i}", inputs, device, recipe.kv_cache.per_head)
             report.kv_cache.update(entries)

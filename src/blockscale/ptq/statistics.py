@@ -3,10 +3,15 @@
 A method says what it needs (``StatisticsRequest``); every Linear always gets its token count and input
 amax (the W4A4 activation outer scale). On request: the Hessian ``H = (2/n) sum_t x_t x_t^T`` (GPTQ),
 the per-channel max |x| (SmoothQuant), and a strided sample of the input rows (AWQ's error search).
+
+MoE experts of the per-expert nn.Linear layout (``linear_expert_blocks``) record the tokens routed to
+each expert, or with ``calibrate_all_experts`` every token of their MoE block's input, once; fused 3-D
+experts: ``ptq.fused_experts.ExpertStatistics``.
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -109,19 +114,75 @@ class InputStatistics:
         return torch.cat(self.samples) if self.samples else torch.zeros(0, self.k)
 
 
+def linear_expert_blocks(layer: nn.Module, linears: dict[str, nn.Linear]) -> list[tuple[nn.Module, list, list]]:
+    """The per-expert nn.Linear MoE layout in ``layer`` (transformers-4 style: a ``ModuleList`` named
+    ``experts`` of expert MLPs of nn.Linear, e.g. Mixtral ``block_sparse_moe.experts[e].w1/w2/w3``, Qwen
+    ``mlp.experts[e].gate_proj/up_proj/down_proj``): (the MoE block owning the list, its experts, the full
+    names of ``linears`` inside them), for the lists with at least one of ``linears``."""
+    names = {id(m): n for n, m in linears.items()}
+    out = []
+    for n, m in layer.named_modules():
+        if not isinstance(m, nn.ModuleList) or n.rpartition(".")[2] != "experts" or not len(m):
+            continue
+        inside = [names[id(x)] for x in m.modules() if id(x) in names]
+        if inside:
+            parent = n.rpartition(".")[0]
+            out.append((layer.get_submodule(parent) if parent else layer, list(m), inside))
+    return out
+
+
+@contextmanager
+def _all_tokens_through_experts(layer: nn.Module, linears: dict[str, nn.Linear], muted: set):
+    """While the layer runs: each per-expert nn.Linear MoE block's routed calls record nothing (their
+    Linears' names are in ``muted`` during the block's forward); after the block's forward, every expert
+    runs on all of the block's input tokens, for statistics only (outputs dropped, the block's unchanged)."""
+    handles = []
+    for block, experts, inside in linear_expert_blocks(layer, linears):
+        seen = {}
+
+        def pre(mod, args, kwargs, inside=inside, seen=seen):
+            seen["x"] = args[0] if args else kwargs["hidden_states"]
+            muted.update(inside)
+
+        def post(mod, args, kwargs, out, inside=inside, seen=seen, experts=experts):
+            muted.difference_update(inside)
+            x = seen.pop("x")
+            x2 = x.reshape(-1, x.shape[-1])
+            for expert in experts:
+                expert(x2)
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def collect_statistics(layer: nn.Module, index: int, inputs, linears: dict[str, nn.Linear],
-                       request: StatisticsRequest, device, total_tokens: int) -> dict[str, InputStatistics]:
-    """Run ``layer`` on the stored ``inputs`` and record each of ``linears``' inputs (name -> statistics)."""
+                       request: StatisticsRequest, device, total_tokens: int,
+                       calibrate_all_experts: bool = False) -> dict[str, InputStatistics]:
+    """Run ``layer`` on the stored ``inputs`` and record each of ``linears``' inputs (name -> statistics).
+    ``calibrate_all_experts``: the Linears of per-expert nn.Linear MoE experts (``linear_expert_blocks``)
+    record every token of their MoE block's input, once (not their routed calls as well)."""
     stats = {n: InputStatistics(n, index, m.in_features, request, total_tokens, device) for n, m in linears.items()}
-    handles = [m.register_forward_hook(lambda mod, args, out, s=stats[n]: s.add(args[0]))
+    muted: set = set()
+
+    def hook(mod, args, out, n):
+        if n not in muted:
+            stats[n].add(args[0])
+
+    handles = [m.register_forward_hook(lambda mod, args, out, n=n: hook(mod, args, out, n))
                for n, m in linears.items()]
     try:
-        run_layer(layer, inputs, device)
+        with _all_tokens_through_experts(layer, linears, muted) if calibrate_all_experts else nullcontext():
+            run_layer(layer, inputs, device)
     finally:
         for h in handles:
             h.remove()
     return stats
 
 
-__all__ = ["HessianAccumulator", "InputStatistics", "StatisticsRequest", "collect_statistics"]
+__all__ = ["HessianAccumulator", "InputStatistics", "StatisticsRequest", "collect_statistics", "linear_expert_blocks"]

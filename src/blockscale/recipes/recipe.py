@@ -22,8 +22,10 @@ from ..quant import FormatSpec, format_of, is_spec, spec_types
 OPERANDS = ("fprop_input", "fprop_weight", "dgrad_grad", "dgrad_weight", "wgrad_grad", "wgrad_input")
 UNQUANTIZED_DTYPES = ("bfloat16", "float32")
 HADAMARD_SIGNS = ("te", "random")
-# Modules kept in high precision by default: embeddings, the output head, MoE routers.
-DEFAULT_EXCLUDE = (r"embed", r"(^|\.)(lm_head|output|classifier)$", r"router", r"(^|\.)gate$")
+# Modules kept in high precision by default: embeddings, the output head, MoE routers, Qwen2-MoE's
+# shared_expert_gate (a Linear H -> 1 that vLLM's Qwen2MoeSparseMoeBlock builds as a plain torch.nn.Linear,
+# never quantized).
+DEFAULT_EXCLUDE = (r"embed", r"(^|\.)(lm_head|output|classifier)$", r"router", r"(^|\.)(shared_expert_)?gate$")
 
 
 def check_patterns(patterns) -> tuple[str, ...]:

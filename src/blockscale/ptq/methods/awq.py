@@ -6,6 +6,11 @@ smoothing group chosen by a grid search of the measured quantized output error (
 into the preceding norm / linear (the full-precision function is unchanged); then the weights are RTN.
 The error of a candidate is measured with the group's PTQ scheme (its weight format and shared scale,
 its activation quantizer), so an FP8 or MX group searches against FP8 / MX rounding.
+
+MoE layers (``ptq.smoothing.moe``, ``awq_search_parts``): one scale vector per group as well, its error
+the sum over the quantized consumers of ||Q(W s) (x / s) - W x||^2 on each consumer's own inputs (expert
+e: the tokens routed to it, or every token with calibrate_all; each expert with its own outer scale, or
+all experts with one for expert_outer_scale="tensor"); the router is rescaled but not in the error.
 """
 from __future__ import annotations
 
@@ -242,6 +247,122 @@ def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: Optional[
                      errors=tuple(errors))
 
 
+def _part_quantizers(scheme, spec: Optional[NVFP4], act_scale_rule: Optional[str]):
+    """(weights W'_i sharing one scale -> their FP32 fake-quantized values, input amax -> the activation
+    quantizer or None) for a ``recipes.Scheme``, or for the flat NVFP4 ``spec`` / ``act_scale_rule``."""
+    if scheme is None:
+        act_spec = None if act_scale_rule is None else NVFP4(scale_rule=act_scale_rule)
+
+        def qw(Wp):
+            S = shared_outer_scale(Wp, spec.outer_bound)
+            return [fake_quantize(w, spec, encode_scale=S, dtype=torch.float32) if w.numel() else w.float()
+                    for w in Wp]
+
+        def aq(amax):
+            if act_spec is None:
+                return None
+            enc = input_encode_scale(amax, act_scale_rule)
+            return lambda xc: fake_quantize(xc, act_spec, encode_scale=enc.to(xc.device), check_finite=False)
+        return qw, aq
+    wspec = scheme.weight_spec
+
+    def qw(Wp):
+        S = group_weight_scale(scheme, Wp)
+        return [rtn_quantize(w, wspec, S).dequantize(torch.float32) if w.numel() else w.float() for w in Wp]
+    return qw, lambda amax: input_quantizer(scheme, amax)
+
+
+def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Optional[str] = None,
+                     n_grid: int = 20, duo_scaling: bool = True, max_tokens: int = 4096) -> AWQResult:
+    """AWQ grid search of one scale vector s [K] for a group whose consumers read different subsets of
+    one input (an MoE layer's post-attention norm output: each expert the tokens routed to it, the shared
+    expert all of them) or share a weight scale across inputs (experts with one outer scale for all).
+
+    parts: a sequence of ``(scheme, [(x_j, [W_jk, ...]), ...])``: the weights of one part share one weight
+      scale (``group_weight_scale(scheme, all its W'_jk)``; scheme None: ``spec`` / ``act_scale_rule`` as
+      in ``awq_search``); x_j [T_j, K] are the calibration inputs of the weights W_jk [N_jk, K] (T_j may
+      be 0: weights without inputs count for the shared scale only).
+    Candidates: ``awq_scales(x_mean, w_mean, alpha)`` with x_mean = mean |x| over every row of every
+    x_j (a token read by several inputs counts once per input) and w_mean over every part's rows.
+    Error of s: sum over parts, inputs j and weights k of ||X'_j Q_jk^T - x_j W_jk^T||^2 on at most
+    ``max_tokens`` evenly spaced rows of each x_j, divided by sum T_j N_jk, FP32 (float64 sums);
+    W' = W * s rounded to the weight dtype, Q its quantized values with the part's shared scale,
+    X'_j = x_j / s (W4A4: quantized with the static scale from max |x_j / s|, each input its own, as each
+    expert's own input scale). The alpha with the least error wins (ties: the smaller), so
+    ``error <= baseline_error`` (s = 1: round to nearest).
+    """
+    fn = "awq_search_parts"
+    for name, value in (("n_grid", n_grid), ("max_tokens", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{fn}: {name}={value!r} must be an int >= 1")
+    parts = list(parts)
+    if not parts:
+        raise ValueError(f"{fn}: parts is empty")
+    prepared, means, n_rows, all_w, K, dev = [], None, 0, [], None, None
+    for scheme, inputs in parts:
+        if scheme is None and not isinstance(spec, NVFP4):
+            raise TypeError(f"{fn}: a part without a scheme needs spec=NVFP4(...), got {type(spec).__name__}")
+        qw, aq = _part_quantizers(scheme, spec, act_scale_rule)
+        entries = []
+        for x, weights in inputs:
+            if K is None:
+                K, dev = x.shape[-1], x.device
+            ws = [w.to(dev) for w in check_weights(weights, K, fn)]
+            x2 = x.detach().reshape(-1, K).to(dev)
+            if x2.shape[0] and not bool(torch.isfinite(x2).all()):
+                raise ValueError(f"{fn}: x contains NaN/inf")
+            W = torch.cat([w.float() for w in ws], 0)
+            all_w.append(W)
+            xs = _subsample_rows(x2, max_tokens).float()
+            T = xs.shape[0]
+            if x2.shape[0]:
+                a = x2.abs().double().sum(0)
+                means = a if means is None else means + a
+                n_rows += x2.shape[0]
+            lin = aq(1.0) is None
+            R = (torch.linalg.qr(xs, mode="r").R if T > K else xs) if lin and T else None
+            entries.append(dict(ws=ws, W=W, xs=xs, T=T, R=R, lin=lin, amax=x2.abs().amax(0).float() if T else None))
+        prepared.append((qw, aq, entries))
+    if n_rows == 0:
+        raise ValueError(f"{fn}: no input has a calibration token")
+    x_mean = (means / n_rows).float()
+    w_mean = _weight_mean(torch.cat(all_w, 0)) if duo_scaling else None
+    count = sum(e["T"] * e["W"].shape[0] for _, _, es in prepared for e in es)
+
+    def error_of(s: torch.Tensor) -> float:
+        total = 0.0
+        for qw, aq, entries in prepared:
+            flat = [w for e in entries for w in e["ws"]]
+            Q = qw([(w.float() * s).to(w.dtype) for w in flat])
+            i = 0
+            for e in entries:
+                Qe = torch.cat(Q[i:i + len(e["ws"])], 0)
+                i += len(e["ws"])
+                if not e["T"]:
+                    continue
+                rows = max(1, _CHUNK_ELEMS // max(1, e["W"].shape[0]))
+                if e["lin"]:
+                    F = Qe / s - e["W"]  # x / s Q^T - x W^T = x F^T
+                    for r0 in range(0, e["R"].shape[0], rows):
+                        total += float((e["R"][r0:r0 + rows] @ F.T).square().sum(dtype=torch.float64))
+                    continue
+                q = aq(float((e["amax"] / s).max()))
+                for r0 in range(0, e["T"], rows):
+                    xc = e["xs"][r0:r0 + rows]
+                    diff = torch.addmm(xc @ e["W"].T, q(xc / s), Qe.T, beta=-1.0)
+                    total += float(diff.square().sum(dtype=torch.float64))
+        return total / max(1, count)
+
+    errors, cands = [], []
+    for i in range(n_grid):
+        s = awq_scales(x_mean, w_mean, i / n_grid).to(dev)
+        cands.append(s)
+        errors.append(error_of(s))
+    best = min(range(n_grid), key=lambda i: (errors[i], i))
+    return AWQResult(scales=cands[best], alpha=best / n_grid, error=errors[best], baseline_error=errors[0],
+                     errors=tuple(errors))
+
+
 @dataclass(frozen=True)
 class AWQOptions:
     """Options of ``method="awq"`` (see ``awq_search``)."""
@@ -260,6 +381,7 @@ class AWQ(PTQMethod):
     name = "awq"
     Options = AWQOptions
     flag_prefix = "awq"
+    quantizes_fused_experts = True
 
     def check_layer(self, layer, name: str) -> None:
         check_smoothable(layer, name, self.name)
@@ -282,7 +404,13 @@ class AWQ(PTQMethod):
                              max_tokens=o.max_tokens, **kw)
             return res.scales, res.alpha
 
-        return smooth_layer(layer, self.name, choose)
+        def choose_parts(group, parts):  # an MoE group: each expert on its own inputs (smoothing.GroupPart)
+            res = awq_search_parts([(p.scheme, [(st.sample(), ws) for st, ws in p.inputs]) for p in parts],
+                                   spec=layer.weight_spec, act_scale_rule=layer.act_scale_rule, n_grid=o.grid,
+                                   duo_scaling=o.duo_scaling, max_tokens=o.max_tokens)
+            return res.scales, res.alpha
+
+        return smooth_layer(layer, self.name, choose, choose_parts)
 
 
-__all__ = ["AWQ", "AWQOptions", "AWQResult", "S_MAX", "S_MIN", "awq_scales", "awq_search"]
+__all__ = ["AWQ", "AWQOptions", "AWQResult", "S_MAX", "S_MIN", "awq_scales", "awq_search", "awq_search_parts"]

@@ -1,6 +1,12 @@
 """SmoothQuant (Xiao et al., 2023): static per-input-channel scales ``s_j = max|X_j|^alpha /
 max|W_j|^(1-alpha)`` move activation outliers into the weights, which are easier to quantize; folded into
-the preceding norm / linear (the full-precision function is unchanged), then the weights are RTN."""
+the preceding norm / linear (the full-precision function is unchanged), then the weights are RTN.
+
+MoE layers (``ptq.smoothing.moe``): for a group whose consumers read different tokens (the post-attention
+norm -> router, every expert's gate/up rows, the shared expert), max |X_j| runs over the union of the
+quantized consumers' inputs (every token an expert was routed, or with calibrate_all every token) and
+max |W_j| over the columns of the quantized consumers only (experts, shared expert Linears; the router
+stays in high precision, so it is rescaled but does not limit s)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,6 +67,7 @@ class SmoothQuant(PTQMethod):
     name = "smoothquant"
     Options = SmoothQuantOptions
     flag_prefix = "sq"
+    quantizes_fused_experts = True
 
     def check_layer(self, layer, name: str) -> None:
         check_smoothable(layer, name, self.name)
@@ -70,8 +77,13 @@ class SmoothQuant(PTQMethod):
 
     def transform_layer(self, layer) -> dict[str, float]:
         alpha = self.options.alpha
+
+        def choose_parts(group, parts):  # an MoE group: max |x| over the union of the consumers' inputs
+            absmax = torch.stack([st.absmax for p in parts for st, _ in p.inputs if st.tokens]).amax(0)
+            return smoothquant_scales(absmax, [w for p in parts for _, ws in p.inputs for w in ws], alpha), alpha
+
         return smooth_layer(layer, self.name, lambda group, st, weights: (
-            smoothquant_scales(st.absmax, weights, alpha), alpha))
+            smoothquant_scales(st.absmax, weights, alpha), alpha), choose_parts)
 
 
 __all__ = ["SQ_MAX", "SQ_MIN", "SmoothQuant", "SmoothQuantOptions", "smoothquant_scales"]

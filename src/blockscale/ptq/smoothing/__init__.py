@@ -1,10 +1,15 @@
 """Per-input-channel smoothing before NVFP4 PTQ: the groups of a decoder layer where scales fold
-(``groups``), folding them in place (``fold``) and the per-layer loop AWQ and SmoothQuant share
-(``layer``). The scale choices themselves are the methods' (``ptq.methods.awq`` / ``.smoothquant``)."""
+(``groups``: dense Llama-style layers; ``moe``: MoE layers with routers, fused or per-expert experts and
+shared experts, and MLA attention), folding them in place (``fold``) and the per-layer loop AWQ and
+SmoothQuant share (``layer``). The scale choices themselves are the methods' (``ptq.methods.awq`` /
+``.smoothquant``)."""
 from .fold import check_alpha, check_scales, check_weights, fold_smoothing
 from .groups import FLOAT_DTYPES, SmoothingGroup, check_norm_absorbs_scales, find_smoothing_groups
-from .layer import check_folded, check_smoothable, smooth_layer
+from .layer import GroupPart, check_folded, check_smoothable, moe_group_parts, smooth_layer
+from .moe import (Consumer, MoESmoothingGroup, WeightSlice, find_moe_smoothing_groups, fold_moe_smoothing,
+                  layer_smoothing_groups)
 
-__all__ = ["FLOAT_DTYPES", "SmoothingGroup", "check_alpha", "check_folded", "check_norm_absorbs_scales",
-           "check_scales", "check_smoothable", "check_weights", "find_smoothing_groups", "fold_smoothing",
-           "smooth_layer"]
+__all__ = ["Consumer", "FLOAT_DTYPES", "GroupPart", "MoESmoothingGroup", "SmoothingGroup", "WeightSlice",
+           "check_alpha", "check_folded", "check_norm_absorbs_scales", "check_scales", "check_smoothable",
+           "check_weights", "find_moe_smoothing_groups", "find_smoothing_groups", "fold_moe_smoothing",
+           "fold_smoothing", "layer_smoothing_groups", "moe_group_parts", "smooth_layer"]

@@ -2,18 +2,24 @@
 
 AWQ and SmoothQuant differ only in how a group's scales are chosen (``choose(group, stats, weights)``
 -> ``(s, alpha)``); the loop, the skipping of groups with an excluded consumer or no calibration
-tokens, the error naming and the overflow check after folding are this module's.
+tokens, the error naming and the overflow check after folding are this module's. MoE layers
+(``smoothing.moe``) add groups whose consumers are routers, experts' slices of fused parameters and
+Linears with different inputs: their scales come from ``choose_parts(group, parts)``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from ...errors import QuantizationError
+from ...nn.fused import fused_groups
 from ..finite import non_finite_error
+from ..statistics import InputStatistics
 from .fold import fold_smoothing
-from .groups import SmoothingGroup, find_smoothing_groups
+from .groups import SmoothingGroup
+from .moe import MoESmoothingGroup, WeightSlice, fold_moe_smoothing, layer_smoothing_groups
 
 
 def check_folded(modules, method: str) -> None:
@@ -24,42 +30,129 @@ def check_folded(modules, method: str) -> None:
                 raise non_finite_error(name, pname, p, f" after method={method!r} smoothing")
 
 
+@dataclass(frozen=True)
+class GroupPart:
+    """Quantized consumers of one ``MoESmoothingGroup`` that share one weight scale (a fused group of
+    Linears, one expert's gate/up rows, all experts' with ``expert_outer_scale="tensor"``): ``inputs``
+    holds, per distinct input, its statistics and the weights [N_i, K] reading it (views); ``scheme``
+    their ``recipes.Scheme`` (None: the flat NVFP4 context). names: their full names."""
+
+    names: tuple[str, ...]
+    inputs: tuple[tuple[InputStatistics, tuple[torch.Tensor, ...]], ...]
+    scheme: Optional[object] = None
+
+
+def _smooth_linears(layer, method, choose, group, linear_names, alphas) -> None:
+    names = [linear_names.get(id(m)) for m in group.linears]
+    if any(n is None for n in names):
+        return  # a consumer is excluded from quantization: leave this group alone
+    st = layer.stats[names[0]]
+    if st.tokens == 0:
+        return
+    weights = [m.weight for m in group.linears]
+    try:
+        s, alpha = choose(group, st, weights)
+        fold_smoothing(group, s)
+    except QuantizationError:
+        raise
+    except ValueError as err:
+        raise QuantizationError(f"{', '.join(names)}: method={method!r} smoothing failed: {err}") from err
+    layer_prefix = names[0][: len(names[0]) - len(group.linear_names[0])]
+    check_folded([*zip(names, group.linears), (layer_prefix + group.prev_name, group.prev)], method)
+    for n in names:
+        alphas[n] = alpha
+
+
+def moe_group_parts(layer, group: MoESmoothingGroup) -> list[GroupPart]:
+    """The quantized consumers of ``group`` in ``layer`` (a ``LayerContext``) as ``GroupPart``s: Linears
+    of ``layer.linears`` (fused siblings in one part, one input), fused experts of ``layer.experts``
+    (statistics from ``layer.expert_stats``; one part per expert, or one for all experts with
+    ``layer.expert_outer_scale == "tensor"`` in the post-attention-norm group). Routers, excluded
+    Linears and excluded experts are not in any part (they are rescaled all the same)."""
+    lin = {id(m): n for n, m in layer.linears.items()}
+    exp = {id(m): n for n, m in getattr(layer, "experts", {}).items()}
+    schemes = layer.schemes or {}
+    linears, experts = {}, {}
+    for c in group.consumers:
+        w = c.weight
+        if w.expert is None:
+            full = lin.get(id(w.module))
+            if full is not None:
+                linears[full] = w.tensor()
+        elif id(w.module) in exp:
+            full = exp[id(w.module)]
+            est = getattr(layer, "expert_stats", {}).get(full)
+            if est is not None:
+                experts.setdefault(full, []).append((est.stats[w.proj][w.expert], w.tensor()))
+    parts = [GroupPart(tuple(g), ((layer.stats[g[0]], tuple(linears[n] for n in g)),), schemes.get(g[0]))
+             for g in fused_groups(list(linears))]
+    tensor = getattr(layer, "expert_outer_scale", "expert") == "tensor" and not isinstance(group.prev, WeightSlice)
+    for full, entries in experts.items():
+        if tensor:
+            parts.append(GroupPart((full,), tuple((st, (w,)) for st, w in entries), schemes.get(full)))
+        else:
+            parts += [GroupPart((full,), ((st, (w,)),), schemes.get(full)) for st, w in entries]
+    return parts
+
+
+def _smooth_moe(layer, method, choose_parts, group, prefix, alphas) -> None:
+    parts = [p for p in moe_group_parts(layer, group) if any(st.tokens for st, _ in p.inputs)]
+    if not parts:
+        return  # nothing quantized reads this input, or no calibration token reached it
+    names = sorted({n for p in parts for n in p.names})
+    try:
+        s, alpha = choose_parts(group, parts)
+        fold_moe_smoothing(group, s)
+    except QuantizationError:
+        raise
+    except ValueError as err:
+        raise QuantizationError(f"{', '.join(names)}: method={method!r} smoothing failed: {err}") from err
+    mods = [(prefix + c.name, c.weight.module) for c in group.consumers]
+    prev = group.prev.module if isinstance(group.prev, WeightSlice) else group.prev
+    check_folded([*mods, (prefix + group.prev_name, prev)], method)
+    for n in names:
+        alphas.setdefault(n, alpha)
+
+
+def _layer_prefix(layer) -> str:
+    rel = {id(m): n for n, m in layer.module.named_modules()}
+    for full, m in [*layer.linears.items(), *getattr(layer, "experts", {}).items()]:
+        if id(m) in rel:
+            return full[: len(full) - len(rel[id(m)])]
+    return ""
+
+
 @torch.no_grad()
-def smooth_layer(layer, method: str, choose: Callable) -> dict[str, float]:
+def smooth_layer(layer, method: str, choose: Callable, choose_parts: Optional[Callable] = None) -> dict[str, float]:
     """Fold per-group scales into ``layer`` (a ``LayerContext``) in place. ``choose(group, stats,
     weights)`` gives ``(s [K], alpha)`` for a ``SmoothingGroup`` from the statistics of its first
-    consumer. Returns the consumers' full names -> alpha."""
+    consumer; ``choose_parts(group, parts)`` for a ``MoESmoothingGroup`` of an MoE layer from its
+    ``GroupPart``s (``moe_group_parts``). Returns the consumers' full names (a fused-experts module's
+    name for its experts) -> alpha. What stays unsmoothed in a supported layer (MLA's o_proj) is noted
+    in ``layer.notes`` when the context has that list."""
+    groups, notes = layer_smoothing_groups(layer.module)
+    if notes and isinstance(getattr(layer, "notes", None), list):
+        layer.notes.extend(notes)
     linear_names = {id(m): n for n, m in layer.linears.items()}
+    prefix = _layer_prefix(layer) if any(isinstance(g, MoESmoothingGroup) for g in groups) else ""
     alphas = {}
-    for group in find_smoothing_groups(layer.module):
-        names = [linear_names.get(id(m)) for m in group.linears]
-        if any(n is None for n in names):
-            continue  # a consumer is excluded from quantization: leave this group alone
-        st = layer.stats[names[0]]
-        if st.tokens == 0:
-            continue
-        weights = [m.weight for m in group.linears]
-        try:
-            s, alpha = choose(group, st, weights)
-            fold_smoothing(group, s)
-        except QuantizationError:
-            raise
-        except ValueError as err:
-            raise QuantizationError(f"{', '.join(names)}: method={method!r} smoothing failed: {err}") from err
-        layer_prefix = names[0][: len(names[0]) - len(group.linear_names[0])]
-        check_folded([*zip(names, group.linears), (layer_prefix + group.prev_name, group.prev)], method)
-        for n in names:
-            alphas[n] = alpha
+    for group in groups:
+        if isinstance(group, MoESmoothingGroup):
+            if choose_parts is None:
+                raise QuantizationError(f"{prefix}{group.name}: method={method!r} cannot smooth MoE groups")
+            _smooth_moe(layer, method, choose_parts, group, prefix, alphas)
+        else:
+            _smooth_linears(layer, method, choose, group, linear_names, alphas)
     return alphas
 
 
 def check_smoothable(layer, name: str, method: str) -> None:
     """QuantizationError naming the layer when ``find_smoothing_groups`` does not understand it."""
     try:
-        find_smoothing_groups(layer)
+        layer_smoothing_groups(layer)
     except (NotImplementedError, ValueError) as err:
         raise QuantizationError(f"{name}: method={method!r} cannot smooth this layer: {err}; "
                                 "use method='rtn' or 'gptq'") from err
 
 
-__all__ = ["SmoothingGroup", "check_folded", "check_smoothable", "smooth_layer"]
+__all__ = ["GroupPart", "SmoothingGroup", "check_folded", "check_smoothable", "moe_group_parts", "smooth_layer"]

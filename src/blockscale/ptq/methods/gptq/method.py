@@ -1,5 +1,8 @@
 """``method="gptq"``: GPTQ on each Linear's calibration Hessian, with the group's shared scale: NVFP4
-(``gptq_quantize``, with the group's outer scale) or FP8 / MX (``gptq_fixed_grid``: fixed scales)."""
+(``gptq_quantize``, with the group's outer scale) or FP8 / MX (``gptq_fixed_grid``: fixed scales).
+Fused 3-D MoE experts (``ptq.fused_experts``): one Hessian per expert and projection (gate/up input:
+the hidden states routed to the expert, or all with ``calibrate_all_experts``; down input: its
+act(gate) * up), each expert's [2I, H] / [H, I] weight GPTQ'd with its outer scale."""
 from __future__ import annotations
 
 from ....quant import NVFP4
@@ -12,13 +15,15 @@ from .options import GPTQOptions
 
 class GPTQ(PTQMethod):
     """Records each Linear's Hessian; quantizes with ``gptq_quantize`` (RTN, with a note, for a Linear
-    that saw no calibration tokens). The report compares each Linear's output error with RTN's."""
+    that saw no calibration tokens, or an expert no token was routed to). The report compares each
+    Linear's (and expert's) output error with RTN's."""
 
     name = "gptq"
     Options = GPTQOptions
     flag_prefix = "gptq"
     quantizes_with_statistics = True
     compares_to_rtn = True
+    quantizes_fused_experts = True
 
     def statistics(self) -> StatisticsRequest:
         return StatisticsRequest(hessian=True)
