@@ -32,6 +32,16 @@ def _set_(p: torch.Tensor, value_fp32: torch.Tensor) -> None:
     p.copy_(value_fp32.to(p.dtype))
 
 
+def divide_norm(norm: nn.Module, s: torch.Tensor) -> None:
+    """A norm's per-channel weight (and bias) divided by ``s`` in FP32, stored back in their dtype: its
+    output divided by s (``check_norm_absorbs_scales`` says it may)."""
+    sd = s.to(norm.weight.device)
+    _set_(norm.weight, norm.weight.float() / sd)
+    bias = getattr(norm, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        _set_(bias, bias.float() / sd)
+
+
 def fold_smoothing(group: SmoothingGroup, s: torch.Tensor) -> None:
     """Fold per-input-channel scales ``s`` [K] into ``group`` in place: the consumers' weight columns
     are multiplied by s (``W[:, j] *= s[j]``) and the producer's output divided by s (a norm's weight
@@ -52,11 +62,7 @@ def fold_smoothing(group: SmoothingGroup, s: torch.Tensor) -> None:
             if prev.bias is not None:
                 _set_(prev.bias, prev.bias.float() / sd)
         else:
-            sd = s.to(prev.weight.device)
-            _set_(prev.weight, prev.weight.float() / sd)
-            bias = getattr(prev, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                _set_(bias, bias.float() / sd)
+            divide_norm(prev, s)
         for lin in group.linears:
             sd = s.to(lin.weight.device)
             _set_(lin.weight, lin.weight.float() * sd)
@@ -100,4 +106,4 @@ def check_alpha(alpha, fn: str) -> float:
 
 
 
-__all__ = ["check_alpha", "check_scales", "check_weights", "fold_smoothing"]
+__all__ = ["check_alpha", "check_scales", "check_weights", "divide_norm", "fold_smoothing"]

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from ...nn.nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
-from .fold import check_scales
-from .groups import FLOAT_DTYPES, SmoothingGroup, check_norm_absorbs_scales, find_smoothing_groups
+from .fold import _set_, check_scales, divide_norm
+from .groups import FLOAT_DTYPES, SmoothingGroup, _get, check_norm_absorbs_scales, find_smoothing_groups
 
 _GATED = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _MLP_BLOCKS = ("mlp", "block_sparse_moe")
@@ -131,10 +131,6 @@ class MoESmoothingGroup:
         return self.consumers[0].weight.tensor().shape[1]
 
 
-def _set_(p: torch.Tensor, value_fp32: torch.Tensor) -> None:
-    p.copy_(value_fp32.to(p.dtype))
-
-
 def fold_moe_smoothing(group: MoESmoothingGroup, s: torch.Tensor) -> None:
     """Fold scales ``s`` [K] into ``group`` in place, as ``fold_smoothing``: every consumer's columns
     times s, the producer's output divided by s (a norm's weight and bias; output rows). FP32, then
@@ -157,22 +153,10 @@ def fold_moe_smoothing(group: MoESmoothingGroup, s: torch.Tensor) -> None:
                 else:
                     b.copy_(val)
         else:
-            sd = s.to(prev.weight.device)
-            _set_(prev.weight, prev.weight.float() / sd)
-            bias = getattr(prev, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                _set_(bias, bias.float() / sd)
+            divide_norm(prev, s)
         for c in group.consumers:
             w = c.weight.tensor()
             _set_(w, w.float() * s.to(w.device))
-
-
-def _get(module: nn.Module, path: str):
-    for part in path.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
 
 
 def _gated(mlp) -> Optional[tuple[str, str, str]]:
