@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 
 import blockscale as bs
-from blockscale.errors import QuantizationError
 from blockscale.export import export_checkpoint, load_checkpoint
 from blockscale.nn import NVFP4Linear
 from blockscale.nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts
@@ -199,12 +198,17 @@ def test_gptq_per_expert_equals_gptq_on_its_routed_hessian():
 
 
 @pytest.mark.parametrize("method", ["awq", "smoothquant"])
-def test_smoothing_methods_are_refused_on_gpt_oss_layers(method):
+def test_smoothing_methods_quantize_gpt_oss_layers(method):
+    """AWQ / SmoothQuant fold into gpt-oss layers (tests/test_smoothing_gpt_oss.py checks the folds); the
+    experts' up -> down fold is impossible (clamped GLU), which the report says once."""
+    from blockscale.ptq.smoothing.moe import GPT_OSS_DOWN_NOTE
+
     model = tiny_gpt_oss()
-    with pytest.raises(QuantizationError, match=r"^model\.layers\.0: method='" + method + r"' is not supported on "
-                                                r"gpt-oss layers \(model\.layers\.0\.mlp\.experts is a GptOssExperts"):
-        quantize_model(model, PTQConfig(method=method), token_ids(2, 8), progress=False)
-    assert type(model.model.layers[0].mlp.experts).__name__ == "GptOssExperts"  # refused before touching it
+    rep = quantize_model(model, PTQConfig(method=method), token_ids(2, 8), progress=False)
+    assert all(isinstance(layer.mlp.experts, NVFP4GptOssExperts) for layer in model.model.layers)
+    assert [w for w in rep.warnings if "not smoothed" in w] == [f"model.layers.*.mlp.experts.{GPT_OSS_DOWN_NOTE}"]
+    qkv = [lr for lr in rep.linears if lr.name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")]
+    assert len(qkv) == 6 and all(lr.smoothing_alpha is not None for lr in qkv)  # o_proj: GQA, no v -> o group
 
 
 @pytest.mark.parametrize("fmt,act", [(CT, "w4a16"), (CT, "w4a4"), (MO, "w4a16"), (MO, "w4a4")])

@@ -388,21 +388,34 @@ def test_convert_backward_and_an_optimizer_step_update_the_hf_parameters():
     assert type(hf_ex).__name__ == "Qwen2MoeExperts" and not torch.equal(hf_ex.gate_up_proj.detach(), gu0)
 
 
-def test_experts_with_an_unsupported_layout_are_reported_and_left_alone():
-    class Transposed(torch.nn.Module):  # e.g. gpt-oss: [E, H, 2I] with biases
-        def __init__(self):
-            super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.zeros(E, H, 2 * I))
-            self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(E, 2 * I))
-            self.down_proj = torch.nn.Parameter(torch.zeros(E, I, H))
+class _ExtraParameter(torch.nn.Module):  # the standard fused shapes plus a parameter the layout does not have
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(E, 2 * I, H))
+        self.down_proj = torch.nn.Parameter(torch.zeros(E, H, I))
+        self.expert_scale = torch.nn.Parameter(torch.ones(E))
+        self.act_fn, self.num_experts = torch.nn.SiLU(), E
 
+
+class _Transposed(torch.nn.Module):  # gpt-oss-like ([E, H, 2I], biases) but not a GptOssExperts
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(E, H, 2 * I))
+        self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(E, 2 * I))
+        self.down_proj = torch.nn.Parameter(torch.zeros(E, I, H))
+
+
+@pytest.mark.parametrize("cls,why", [(_ExtraParameter, "expert_scale"), (_Transposed, "gate_up_proj_bias")])
+def test_experts_with_an_unsupported_layout_are_reported_and_left_alone(cls, why):
     model = torch.nn.Sequential()
-    model.add_module("experts", Transposed())
+    model.add_module("experts", cls())
     rep = bs.convert(model, "nvfp4-nvidia")
-    assert isinstance(model.experts, Transposed) and not rep.converted
-    assert "gate_up_proj_bias" in rep.unsupported["experts"] and "left as they are" in str(rep)
-    with pytest.raises(ValueError, match="Transposed"):
+    assert isinstance(model.experts, cls) and not rep.converted and not rep.experts
+    assert why in rep.unsupported["experts"] and "left as they are" in str(rep)
+    with pytest.raises(ValueError, match=cls.__name__):
         QuantizedFusedExperts(model.experts)
+    with pytest.raises(ValueError, match=cls.__name__):
+        bs.nn.QuantizedGptOssExperts(model.experts)
 
 
 def test_experts_only_rule_as_written_in_a_yaml_recipe(tmp_path):

@@ -96,8 +96,9 @@ def _routing(model, ids):
     """Logits, and each router's chosen experts per token (sorted: the routing decision)."""
     picks, handles = [], []
     for layer in model.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            handles.append(layer.mlp.gate.register_forward_hook(
+        if hasattr(layer.mlp, "experts"):  # the router: ``gate`` (gpt-oss: ``router``)
+            router = getattr(layer.mlp, "router", None) or layer.mlp.gate
+            handles.append(router.register_forward_hook(
                 lambda m, a, out: picks.append(out[-1].sort(-1).values.clone())))
     try:
         with torch.no_grad():
@@ -108,16 +109,20 @@ def _routing(model, ids):
     return logits, picks
 
 
-def _fold_random(model, seed=0, drop_router=False):
+def _fold_random(model, seed=0, drop_router=False, notes=()):
+    """Random positive scales folded into every smoothing group of every layer (``notes``: what each layer
+    must report as unsmoothed); ``drop_router``: the router left out of the norm group."""
     g = torch.Generator().manual_seed(seed)
+    expected = list(notes)
     for layer in model.model.layers:
         groups, notes = layer_smoothing_groups(layer)
-        assert notes == []
+        assert notes == expected
         for grp in groups:
             s = torch.exp(0.5 * torch.randn(grp.in_features, generator=g, dtype=torch.float64))
             if isinstance(grp, MoESmoothingGroup):
                 if drop_router and grp.name == "mlp.gate_up":
-                    grp = MoESmoothingGroup(grp.name, grp.prev, [c for c in grp.consumers if c.name != "mlp.gate"],
+                    grp = MoESmoothingGroup(grp.name, grp.prev, [c for c in grp.consumers
+                                                                 if c.name not in ("mlp.gate", "mlp.router")],
                                             grp.prev_name)
                 fold_moe_smoothing(grp, s)
             else:

@@ -1,4 +1,5 @@
-"""NVFP4 fused MoE experts (``NVFP4Experts``) in checkpoints: per-expert Linears under the names the
+"""Quantized fused MoE experts (``NVFP4Experts``; FP8 / MX ``SchemeExperts``) in checkpoints: per-expert Linears
+under the names the
 family's Hugging Face checkpoints use (what transformers >= 5 ``save_pretrained`` writes, its weight
 conversion reversed), which is what vLLM / SGLang's MoE loaders read.
 
@@ -15,7 +16,8 @@ scale, and W4A4 its one gate/up input scale) and ``<hub m>.{e}.<down>`` [H, I]; 
 model gets the family's renaming (Mixtral's ``.mlp.`` -> ``.block_sparse_moe.``). The per-expert
 Linears are ordinary NVFP4 Linears to the rest of the export (``ExpertsView.linears``): config
 groups / ``quantized_layers``, fused gate/up groups sharing their scales, the report. Loading
-(``load_plan``) rebuilds the ``NVFP4Experts`` from them.
+(``load_plan``) rebuilds the ``NVFP4Experts`` from them. A ``SchemeExperts`` is written the same way, its
+per-expert Linears FP8Linear / MXLinear copies of the expert's rows (``SchemeExperts.expert_linear``).
 
 Fused experts kept in high precision (excluded) in a model of a known family are written the same way,
 as save_pretrained writes them: per-expert ``<hub m>.{e}.<gate|up|down>.weight`` in the model's dtype
@@ -36,6 +38,11 @@ from torch import nn
 from ..nn.nvfp4_experts import NVFP4Experts, fused_experts_layout, has_fused_expert_parameters
 from ..nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts
 from ..nn.nvfp4_linear import NVFP4Linear
+from ..nn.scheme_experts import SchemeExperts
+from .module_schemes import buffers, scheme_of
+
+#: the quantized fused-experts modules the export writes per expert
+QUANTIZED_EXPERTS = (NVFP4Experts, SchemeExperts)
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,10 @@ def split_experts(hub_module: str, gate_up: torch.Tensor, down: torch.Tensor, fa
     return {f"{lin}.weight": rows[p](e) for e, p, lin in expert_linear_names(hub_module, gate_up.shape[0], fam)}
 
 
-def _linear(ex: NVFP4Experts, proj: str, e: int, rows: slice) -> NVFP4Linear:
+def _linear(ex: nn.Module, proj: str, e: int, rows: slice) -> nn.Module:
+    """Expert ``e``'s rows ``rows`` of ``proj`` as a quantized Linear holding a copy of them."""
+    if isinstance(ex, SchemeExperts):
+        return ex.expert_linear(proj, e, rows)
     packed = getattr(ex, f"{proj}_weight_packed")[e, rows]
     m = NVFP4Linear(packed.shape[1] * 2, packed.shape[0], False, input_scale_rule=ex.input_scale_rule,
                     input_error=ex.input_error, dtype=ex._dtype)
@@ -127,9 +137,9 @@ def _linear(ex: NVFP4Experts, proj: str, e: int, rows: slice) -> NVFP4Linear:
 
 @dataclass
 class ExpertsView:
-    """The model as the export writes it when it holds ``NVFP4Experts``: ``family``; ``modules``
-    (in-memory experts module name -> NVFP4Experts); ``linears`` (hub per-expert Linear name ->
-    NVFP4Linear holding a copy of that expert's rows, in model order)."""
+    """The model as the export writes it when it holds quantized fused experts: ``family``; ``modules``
+    (in-memory experts module name -> NVFP4Experts / SchemeExperts); ``linears`` (hub per-expert Linear name
+    -> NVFP4Linear / FP8Linear / MXLinear holding a copy of that expert's rows, in model order)."""
 
     family: Family
     modules: dict
@@ -170,10 +180,8 @@ class ExpertsView:
                 continue
             out[self.hub(k)] = t
         for n, m in self.linears.items():
-            for b in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
-                t = getattr(m, b)
-                if t is not None:
-                    out[f"{n}.{b}"] = t
+            for b in buffers(scheme_of(m)):
+                out[f"{n}.{b}"] = getattr(m, b)
         return out
 
 
@@ -199,7 +207,7 @@ def experts_view(model: nn.Module) -> Optional[ExpertsView]:
     per-expert nn.Linear modules, the transformers-4 layout, gets its hub names too). ValueError when it
     has NVFP4Experts and its family is not supported or some fused experts modules stay in high precision
     next to quantized ones."""
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Experts)}
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, QUANTIZED_EXPERTS)}
     if not modules:
         fam = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
         high = fused_experts_modules(model)
@@ -210,13 +218,13 @@ def experts_view(model: nn.Module) -> Optional[ExpertsView]:
     high = [n for n, m in model.named_modules() if has_fused_expert_parameters(m)]
     if high:
         raise ValueError(f"{high[0]} ({len(high)} fused MoE experts module(s)) is in high precision while "
-                         f"{next(iter(modules))} is NVFP4: exporting a model whose fused experts are partly quantized "
+                         f"{next(iter(modules))} is quantized: exporting a model whose fused experts are partly quantized "
                          "is not supported; quantize every experts module or none")
     linears = {}
     for name, ex in modules.items():
         I = ex.intermediate_dim
         rows = {"gate": slice(0, I), "up": slice(I, 2 * I), "down": slice(None), "gate_up": slice(None)}
-        if isinstance(ex, NVFP4GptOssExperts) != fam.fused_gate_up:
+        if (isinstance(ex, NVFP4GptOssExperts) or getattr(ex, "gpt_oss", False)) != fam.fused_gate_up:
             raise ValueError(f"{name}: {type(ex).__name__} in a model_type={model.config.model_type!r} model: "
                              "not the experts layout of that family")
         for e, p, lin in expert_linear_names(hub_name(name, fam), ex.num_experts, fam):
@@ -232,5 +240,5 @@ def fused_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
             if has_fused_expert_parameters(m) and fused_experts_layout(m) is None}
 
 
-__all__ = ["ExpertsView", "FAMILIES", "Family", "GPT_OSS_KEPT", "expert_linear_names", "experts_view", "family_of",
+__all__ = ["ExpertsView", "FAMILIES", "QUANTIZED_EXPERTS", "Family", "GPT_OSS_KEPT", "expert_linear_names", "experts_view", "family_of",
            "fused_experts_modules", "hub_name", "memory_name", "split_experts", "VLLM_CT_PROBES"]

@@ -32,7 +32,7 @@ from .common import FORMATS, CheckpointError, drop_shared
 from .experts import split_experts
 from .files import Shards, checkpoint_dir, inside, read_json
 from .load_plan import Plan, build_plan, check_plan, check_values
-from .module_schemes import ModuleScheme, build_module
+from .module_schemes import ModuleScheme, build_module, rules_of, scheme_of
 from .registry import CheckpointFormat, ParsedConfig
 from .validate import check_model_bytes, check_sizes, verify_digests
 
@@ -173,6 +173,8 @@ def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointF
     from ..quant import NVFP4, QuantizedTensor
 
     for name, qe in plan.experts.items():
+        if not qe.scheme.is_nvfp4:  # FP8 / MX: filled as per-expert Linears, then stacked (_stack_experts)
+            continue
         module = model.get_submodule(name)
         per: dict = {}
         for e, p, lin in qe.linears:
@@ -215,11 +217,49 @@ def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointF
         _replace(model, name, new)
 
 
+def _cat_rows(parts: list) -> nn.Module:
+    """One FP8Linear / MXLinear whose rows are those of ``parts`` in order (an expert's gate then up Linear);
+    per-tensor scales must be equal (checked before: ``load_plan._check_experts_shared``)."""
+    first = parts[0]
+    out = build_module(scheme_of(first), rules_of(first), first.in_features, sum(m.out_features for m in parts),
+                       False, first._dtype)
+    with torch.no_grad():
+        for b, t in out.named_buffers(recurse=False):
+            if t is None:
+                continue
+            src = [getattr(m, b) for m in parts]
+            t.copy_(src[0] if t.shape == src[0].shape else torch.cat(src))
+    return out
+
+
+def _stack_experts(model: nn.Module, plan: Plan, linears: dict) -> None:
+    """Each FP8 / MX fused-experts module of the plan becomes a ``SchemeExperts`` built from its filled
+    per-expert Linears (on-disk name -> module; gate and up rows concatenated)."""
+    from ..nn.scheme_experts import SchemeExperts
+
+    for name, qe in plan.experts.items():
+        if qe.scheme.is_nvfp4:
+            continue
+        per = {(e, p): linears[n] for e, p, n in qe.linears}
+        gate_up = [per[(e, "gate_up")] if (e, "gate_up") in per else _cat_rows([per[(e, "gate")], per[(e, "up")]])
+                   for e in range(qe.experts)]
+        down = [per[(e, "down")] for e in range(qe.experts)]
+        try:
+            new = SchemeExperts.from_linears(model.get_submodule(name), gate_up, down, gpt_oss=bool(qe.kept))
+        except ValueError as err:
+            raise CheckpointError(f"{plan.disk(name)}: {err}") from None
+        _replace(model, name, new)
+
+
 def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, dtype: torch.dtype) -> None:
     expert_linears = {n for qe in plan.experts.values() for _, _, n in qe.linears}
     quantized: dict[str, nn.Module] = {}
+    detached: dict[str, nn.Module] = {}  # FP8 / MX experts' per-expert Linears (not modules of the model)
     for name, q in plan.quantized.items():
         if name in expert_linears:
+            qe = next(x for x in plan.experts.values() if any(n == name for _, _, n in x.linears))
+            if not qe.scheme.is_nvfp4:
+                detached[name] = build_module(q.scheme, q.rules, q.in_features, q.out_features, False, dtype)
             continue
         w = model.get_submodule(plan.memory(name)).weight
         new = build_module(q.scheme, q.rules, q.in_features, q.out_features, q.bias,
@@ -244,7 +284,7 @@ def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, d
         raise CheckpointError(f"{shards.root}: the model transformers built differs from its meta-device build "
                               f"({_list(set(plain) ^ set(plan.plain))})")
     with torch.no_grad():
-        for name, m in quantized.items():
+        for name, m in {**quantized, **detached}.items():
             s = plan.quantized[name].scheme
             t = {suf: shards.get(key) for key, (n, suf, _, _) in plan.expected_q.items() if n == name}
             try:
@@ -263,6 +303,7 @@ def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, d
             kv.setdefault(attn, {})[which] = shards.get(key).to(torch.float32).reshape(-1)
     for attn, d in kv.items():
         set_kv_scales(model.get_submodule(attn), d["k_scale"], d["v_scale"])
+    _stack_experts(model, plan, detached)
 
 
 def load_checkpoint(path: Union[str, os.PathLike], *, dtype: Optional[torch.dtype] = None, device="cpu",

@@ -40,8 +40,9 @@ class QLinear:
 
 @dataclass(frozen=True)
 class QExperts:
-    """A fused-experts module stored as per-expert NVFP4 Linears: ``linears`` [(expert, "gate" | "up" |
-    "down", on-disk Linear name)], its scheme and rules (one for all of them)."""
+    """A fused-experts module stored as per-expert quantized Linears (NVFP4, FP8 or MX): ``linears``
+    [(expert, "gate" | "up" | "down" | gpt-oss "gate_up", on-disk Linear name)], its scheme and rules (one
+    for all of them)."""
 
     experts: int
     hidden: int
@@ -147,12 +148,13 @@ def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path
                                   f"different schemes ({listing}, ...); blockscale loads every expert of a layer with "
                                   "one scheme")
         s = schemes.pop()
-        if not s.is_nvfp4:
-            raise CheckpointError(f"{config_path}: fused MoE experts {name}: scheme {s.label} for experts is not "
-                                  "supported by blockscale.load (NVFP4 experts only)")
-        if H % 16 or (two_i // 2) % 16:
+        block = {"nvfp4": 16, "mx": 32}.get(s.kind)
+        if block and (H % block or (two_i // 2) % block):
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: hidden {H} / intermediate {two_i // 2} "
-                                  "not multiples of 16, so they cannot be NVFP4")
+                                  f"not multiples of {block}, so they cannot be {s.name}")
+        if s.kind == "fp8" and s.weights == "block" and not gpt_oss and (two_i // 2) % 128:
+            raise CheckpointError(f"{config_path}: fused MoE experts {name}: intermediate {two_i // 2} is not a multiple "
+                                  "of 128, so its gate and up cannot be 128x128-block FP8 Linears of one expert")
         rules = {_rules(n, s, bs) for _, _, n in lin}
         if len(rules) > 1:
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: quantization_config.blockscale gives its "
@@ -295,17 +297,29 @@ def _check_nvfp4_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, root:
         raise CheckpointError(f"{root}: {e}") from None
 
 
+def _experts_shared_buffers(qe: QExperts, fmt: CheckpointFormat) -> tuple[str, ...]:
+    """The stored scales gate and up of one expert must share (on-disk suffixes): NVFP4 the outer weight
+    (and W4A4 input) scale; FP8 per-tensor weights their weight scale; static FP8 activations the input
+    scale; nothing for per-row / per-block scales."""
+    s = qe.scheme
+    if s.is_nvfp4:
+        return tuple(fmt.suffix(b) for b in ("weight_global_scale",) + (("input_global_scale",) if s.inputs else ()))
+    if s.kind == "fp8":
+        return (("weight_scale",) if s.weights == "tensor" else ()) + (("input_scale",) if s.inputs == "tensor" else ())
+    return ()
+
+
 def _check_experts_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
-    """Gate and up of every expert carry the same stored outer (and input) scale, bit for bit: vLLM's
-    NVFP4 MoE loaders keep only the gate's (w13_*[:, 0]) and would run the up rows with it."""
+    """Gate and up of every expert carry the same stored per-tensor scales, bit for bit
+    (``_experts_shared_buffers``): vLLM's NVFP4 MoE loaders keep only the gate's (w13_*[:, 0]) and would
+    run the up rows with it; blockscale runs gate and up as one GEMM with one scale."""
     for name, qe in plan.experts.items():
         lin = {(e, p): n for e, p, n in qe.linears}
         if (0, "gate") not in lin:  # gpt-oss: gate and up are one stored Linear
             continue
         for e in range(qe.experts):
             g, u = lin[(e, "gate")], lin[(e, "up")]
-            for buf in ("weight_global_scale",) + (("input_global_scale",) if qe.scheme.inputs else ()):
-                suf = fmt.suffix(buf)
+            for suf in _experts_shared_buffers(qe, fmt):
                 a, b = shards.view(f"{g}.{suf}"), shards.view(f"{u}.{suf}")
                 if not torch.equal(a.reshape(-1).to(torch.float32).view(torch.int32),
                                    b.reshape(-1).to(torch.float32).view(torch.int32)):

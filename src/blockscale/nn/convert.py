@@ -13,8 +13,9 @@ MoE experts (``GroupedExperts``, stacked weights, not nn.Linear) follow the same
 name and get the linear recipe in place (``experts.recipe``). transformers' fused experts modules
 (3-D ``gate_up_proj`` / ``down_proj``: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) follow them
 too and are replaced by a ``QuantizedFusedExperts`` holding the same Parameters (``nn.hf_experts``: one
-recipe GEMM per expert and projection); a fused layout it does not support (e.g. gpt-oss: transposed,
-interleaved, biases) is left as it is and listed in ``report.unsupported``. MoE routers are not
+recipe GEMM per expert and projection); gpt-oss' ``GptOssExperts`` (transposed, interleaved gate / up,
+biases) by a ``QuantizedGptOssExperts`` (its four Parameters; the biases stay in high precision). A fused
+layout neither supports is left as it is and listed in ``report.unsupported``. MoE routers are not
 nn.Linear layers, so they always stay in high precision (the default ``exclude`` names them too).
 
 "Experts only" (e.g. NVFP4 on the experts, everything else as it is): ``experts_only(recipe)``, i.e. the
@@ -28,10 +29,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..recipes import Recipe, get_recipe
-from .hf_experts import QuantizedFusedExperts, fused_experts_to_convert
+from .hf_experts import QuantizedFusedExperts, convertible_experts_layout, fused_experts_to_convert, quantized_experts
 from .linear import QuantizedLinear
 from .moe import GroupedExperts
-from .nvfp4_experts import fused_experts_layout
 
 #: the ``exclude`` pattern of ``experts_only``: every module not named ``experts`` (or ``...experts``)
 EXPERTS_ONLY_EXCLUDE = r"^(?!(.*\.)?experts$)"
@@ -100,8 +100,8 @@ def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> ConversionReport:
     """Swap ``model``'s nn.Linear layers for QuantizedLinear (and transformers' fused experts for
-    QuantizedFusedExperts) per ``recipe`` (a Recipe, built-in name or YAML path), in place. Already
-    converted layers get the new recipe. Returns a report."""
+    QuantizedFusedExperts / QuantizedGptOssExperts) per ``recipe`` (a Recipe, built-in name or YAML path),
+    in place. Already converted layers get the new recipe. Returns a report."""
     recipe: Recipe = get_recipe(recipe)
     last = get_recipe(recipe.last_blocks_recipe) if recipe.last_blocks_recipe else None
     blocks, n_blocks = find_blocks(model)
@@ -116,7 +116,7 @@ def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> 
             report.excluded.append(name)
             continue
         hf_experts = isinstance(mod, QuantizedFusedExperts) or fused_experts_to_convert(mod)
-        why = fused_experts_layout(mod) if fused_experts_to_convert(mod) else None
+        why = convertible_experts_layout(mod) if fused_experts_to_convert(mod) else None
         if why is not None:
             report.unsupported[name] = why
             continue
@@ -125,7 +125,7 @@ def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> 
         if isinstance(mod, (QuantizedLinear, GroupedExperts, QuantizedFusedExperts)):
             mod.recipe, mod.generator = use.linear, generator
         elif hf_experts:
-            _set_child(model, name, QuantizedFusedExperts(mod, use.linear, generator))
+            _set_child(model, name, quantized_experts(mod, use.linear, generator))
         else:
             _set_child(model, name, QuantizedLinear.from_linear(mod, use.linear, generator))
         if hf_experts:
@@ -138,8 +138,8 @@ def convert(model: nn.Module, recipe, generator=None, verbose: bool = False) -> 
 
 def unconvert(model: nn.Module) -> int:
     """Replace every QuantizedLinear in ``model`` by a plain nn.Linear (shared parameters), every
-    QuantizedFusedExperts by the transformers module it replaced (holding its Parameters), and clear
-    the recipe of every quantized GroupedExperts; returns the count of modules changed."""
+    QuantizedFusedExperts (QuantizedGptOssExperts too) by the transformers module it replaced (holding its
+    Parameters), and clear the recipe of every quantized GroupedExperts; returns the count of modules changed."""
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, (QuantizedLinear,
                                                                                      QuantizedFusedExperts))]
     for name, mod in targets:

@@ -29,10 +29,11 @@ INPUT_GRANULARITIES = (None, "tensor", "token", "block")
 TILE = 128
 
 
-def keep_buffer_dtypes(module: nn.Module, apply, fn, recurse):
+def keep_buffer_dtypes(module: nn.Module, apply, fn, recurse, follow=()):
     """``apply(fn, recurse)`` (``nn.Module._apply``) with the module's own buffers keeping their dtype:
-    ``module.to(torch.bfloat16)`` moves FP8 codes and FP32 scales, it never casts them (only the bias)."""
-    before = {name: b for name, b in module._buffers.items() if b is not None}
+    ``module.to(torch.bfloat16)`` moves FP8 codes and FP32 scales, it never casts them (only the bias and
+    the buffers named in ``follow``, e.g. gpt-oss experts' biases)."""
+    before = {name: b for name, b in module._buffers.items() if b is not None and name not in follow}
     out = apply(fn, recurse)
     for name, old in before.items():
         new = module._buffers.get(name)

@@ -1,5 +1,6 @@
 """Training with a recipe on transformers' fused MoE experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3:
-``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], ``forward(hidden_states, top_k_index, top_k_weights)``).
+``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], ``forward(hidden_states, top_k_index, top_k_weights)``;
+gpt-oss: see ``QuantizedGptOssExperts``).
 
 ``QuantizedFusedExperts`` replaces such a module and keeps its very Parameters (same objects, same names:
 optimizers and ``state_dict`` keys are unchanged). Its forward lays the T*k (token, expert) assignments out
@@ -17,6 +18,8 @@ one NVFP4 outer scale per expert and projection, gate and up sharing theirs), or
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +28,7 @@ from ..recipes import LinearRecipe
 from .linear import quantized_linear
 from .moe import RoutingPlan, combine, dispatch
 from .nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
+from .nvfp4_gpt_oss_experts import GPT_OSS_EXPERTS, gpt_oss_experts_layout
 
 
 def routing_plan(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int) -> RoutingPlan:
@@ -46,32 +50,56 @@ class QuantizedFusedExperts(nn.Module):
     ``gate_up_proj`` / ``down_proj`` Parameters and ``act_fn``; GEMMs per ``recipe`` (a LinearRecipe or None).
     ``generator``: as in QuantizedLinear. ``original()``: the replaced module (holding these Parameters)."""
 
+    #: the replaced module's Parameters this module holds (in the replaced module's order)
+    PARAMETERS: tuple = ("gate_up_proj", "down_proj")
+
     def __init__(self, module: nn.Module, recipe: LinearRecipe | None = None, generator=None):
         super().__init__()
-        why = fused_experts_layout(module)
+        why = self.layout(module)
         if why is not None:
             raise ValueError(f"{type(module).__name__}: {why}")
         if recipe is not None and not isinstance(recipe, LinearRecipe):
-            raise ValueError(f"QuantizedFusedExperts recipe must be a LinearRecipe or None, got "
+            raise ValueError(f"{type(self).__name__} recipe must be a LinearRecipe or None, got "
                              f"{type(recipe).__name__}")
-        E, two_i, H = module.gate_up_proj.shape
-        self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, two_i // 2
-        self.gate_up_proj, self.down_proj = module.gate_up_proj, module.down_proj
-        self.act_fn = module.act_fn
+        for k in self.PARAMETERS:
+            setattr(self, k, getattr(module, k))
+        self.num_experts, self.hidden_dim, self.intermediate_dim = self.dims(module)
+        self.adopt(module)
         self.recipe, self.generator = recipe, generator
         self.replaced_class = type(module).__name__
         self.__dict__["_original"] = module  # not a submodule: its Parameters are ours
 
+    @staticmethod
+    def layout(module: nn.Module) -> Optional[str]:
+        """Why ``module`` cannot be replaced by this class, or None."""
+        return fused_experts_layout(module)
+
+    @staticmethod
+    def dims(module: nn.Module) -> tuple[int, int, int]:
+        """(E, H, I) of the replaced module."""
+        E, two_i, H = module.gate_up_proj.shape
+        return E, H, two_i // 2
+
+    def adopt(self, module: nn.Module) -> None:
+        """Take the replaced module's non-Parameter parts (here its ``act_fn``)."""
+        self.act_fn = module.act_fn
+
     def original(self) -> nn.Module:
         """The replaced transformers module, holding this module's current Parameters."""
         m = self._original
-        m.gate_up_proj, m.down_proj = self.gate_up_proj, self.down_proj
+        for k in self.PARAMETERS:
+            setattr(m, k, getattr(self, k))
         return m
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.recipe is None:
             return F.linear(x, w)
         return quantized_linear(x, w, None, self.recipe, self.generator)
+
+    def _no_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Nothing routed: zeros, the weights kept in the graph (zero gradients, not None)."""
+        tie = sum(getattr(self, k).sum() for k in self.PARAMETERS) * 0.0
+        return torch.zeros_like(hidden_states) + tie.to(hidden_states.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -86,9 +114,8 @@ class QuantizedFusedExperts(nn.Module):
             gate, up = self._linear(x_sorted[start:start + n], gu[e]).chunk(2, dim=-1)
             start += n
             outs.append(self._linear(self.act_fn(gate) * up, dn[e]))
-        if not outs:  # nothing routed: keep the weights in the graph (zero gradients, not None)
-            tie = (self.gate_up_proj.sum() + self.down_proj.sum()) * 0.0
-            return torch.zeros_like(hidden_states) + tie.to(hidden_states.dtype)
+        if not outs:
+            return self._no_rows(hidden_states)
         y = combine(outs[0] if len(outs) == 1 else torch.cat(outs), plan, hidden_states.shape[0])
         return y.to(hidden_states.dtype)
 
@@ -98,9 +125,74 @@ class QuantizedFusedExperts(nn.Module):
                 f"intermediate_dim={self.intermediate_dim}, recipe={r}")
 
 
+class QuantizedGptOssExperts(QuantizedFusedExperts):
+    """The training replacement of transformers' ``GptOssExperts`` (``gpt_oss_experts_layout`` accepts it):
+    gate_up_proj [E, H, 2I] (transposed, ``x @ W``; column 2j gate j, 2j+1 up j), gate_up_proj_bias [E, 2I],
+    down_proj [E, I, H], down_proj_bias [E, H], the same four Parameters. Per expert e, on its rows x_e
+    (laid out as in ``QuantizedFusedExperts``):
+
+        h_e = linear(x_e, gate_up_proj[e]^T) + gate_up_proj_bias[e]        [n_e, 2I]   weight [2I, H]: blocks along H
+        y_e = linear(_apply_gate(h_e), down_proj[e]^T) + down_proj_bias[e]  [n_e, H]    weight [H, I]: blocks along I
+        y   = zeros.index_add(tokens, (y_e * top_k_weight).to(x.dtype))    (GptOssExperts' combine)
+
+    ``linear`` is ``quantized_linear`` with the recipe (output in x's dtype), or ``F.linear`` with None; the
+    weights are transposed views of the Parameters (gradients reach them), quantized as the out x in
+    matrices NVFP4GptOssExperts stores; the biases are added after the GEMM, in high precision (never
+    quantized). ``_apply_gate`` (the clamped GLU: alpha, limit) is the replaced module's own."""
+
+    PARAMETERS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+    @staticmethod
+    def layout(module: nn.Module) -> Optional[str]:
+        return gpt_oss_experts_layout(module)
+
+    @staticmethod
+    def dims(module: nn.Module) -> tuple[int, int, int]:
+        E, H, two_i = module.gate_up_proj.shape
+        return E, H, two_i // 2
+
+    def adopt(self, module: nn.Module) -> None:
+        pass  # _apply_gate (and its alpha / limit) are read from the replaced module
+
+    def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                routing_weights: torch.Tensor) -> torch.Tensor:
+        plan = routing_plan(router_indices, routing_weights, self.num_experts)
+        x_sorted = dispatch(hidden_states, plan)
+        gu, gb = self.gate_up_proj.unbind(0), self.gate_up_proj_bias.unbind(0)
+        dn, db = self.down_proj.unbind(0), self.down_proj_bias.unbind(0)
+        gate = self._original._apply_gate
+        outs, start = [], 0
+        for e, n in enumerate(plan.counts.tolist()):
+            if n == 0:
+                continue
+            h = self._linear(x_sorted[start:start + n], gu[e].t()) + gb[e]
+            start += n
+            outs.append(self._linear(gate(h), dn[e].t()) + db[e])
+        if not outs:
+            return self._no_rows(hidden_states)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        weighted = (y * plan.weight[:, None]).to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, plan.token, weighted)
+
+
+def convertible_experts_layout(module: nn.Module) -> Optional[str]:
+    """Why ``convert`` cannot replace the fused-experts ``module`` (by ``QuantizedFusedExperts`` or, for
+    ``GptOssExperts``, ``QuantizedGptOssExperts``), or None."""
+    if type(module).__name__ == GPT_OSS_EXPERTS:
+        return QuantizedGptOssExperts.layout(module)
+    return QuantizedFusedExperts.layout(module)
+
+
+def quantized_experts(module: nn.Module, recipe: LinearRecipe | None = None, generator=None) -> QuantizedFusedExperts:
+    """The training replacement of the fused-experts ``module`` (``convertible_experts_layout`` accepts it)."""
+    cls = QuantizedGptOssExperts if type(module).__name__ == GPT_OSS_EXPERTS else QuantizedFusedExperts
+    return cls(module, recipe, generator)
+
+
 def fused_experts_to_convert(module: nn.Module) -> bool:
     """Whether ``convert`` treats ``module`` as transformers fused experts (3-D gate_up_proj / down_proj)."""
     return not isinstance(module, QuantizedFusedExperts) and has_fused_expert_parameters(module)
 
 
-__all__ = ["QuantizedFusedExperts", "fused_experts_to_convert", "routing_plan"]
+__all__ = ["QuantizedFusedExperts", "QuantizedGptOssExperts", "convertible_experts_layout", "fused_experts_to_convert",
+           "quantized_experts", "routing_plan"]

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..quant import NVFP4, QuantizedTensor, fake_quantize
 from ..quant.nvfp4 import INPUT_SCALE_RULES
+from .fp8_linear import keep_buffer_dtypes
 
 #: the fused-experts classes of transformers >= 5 known to have the layout above (checked anyway)
 KNOWN_FUSED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "OlmoeExperts",
@@ -29,8 +30,9 @@ KNOWN_FUSED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "
 #: its own class, ``nn.nvfp4_gpt_oss_experts.NVFP4GptOssExperts`` (PTQ, export and load use it).
 UNSUPPORTED_FUSED_EXPERTS = {
     "GptOssExperts": ("gpt-oss experts (gate_up_proj [E, H, 2I] transposed with gate / up columns interleaved, "
-                      "gate_up_proj_bias / down_proj_bias, a clamped GLU) are not the standard fused layout; only PTQ "
-                      "supports them (NVFP4GptOssExperts, blockscale.nn.nvfp4_gpt_oss_experts)"),
+                      "gate_up_proj_bias / down_proj_bias, a clamped GLU) are not the standard fused layout; they have "
+                      "their own classes (PTQ: NVFP4GptOssExperts, blockscale.nn.nvfp4_gpt_oss_experts; convert: "
+                      "QuantizedGptOssExperts, blockscale.nn.hf_experts)"),
 }
 _FUSED_PARAMS = ("gate_up_proj", "down_proj")
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -70,7 +72,7 @@ def fused_experts_layout(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _shell(module: nn.Module) -> nn.Module:
+def shell_of(module: nn.Module) -> nn.Module:
     """A parameterless copy of ``module`` (same class, attributes and child modules) whose forward runs on
     the tensors put into its ``gate_up_proj`` / ``down_proj`` attributes."""
     cls = type(module)
@@ -82,6 +84,53 @@ def _shell(module: nn.Module) -> nn.Module:
     shell._modules = dict(module._modules)
     shell.training = False
     return shell
+
+
+def hf_experts_forward(shell: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The replaced class's own forward (``shell``: ``shell_of`` it) run on the weights gate_up [E, 2I, H] /
+    down [E, H, I]."""
+    shell.__dict__["gate_up_proj"], shell.__dict__["down_proj"] = gate_up, down
+    try:
+        return type(shell).forward(shell, hidden_states, top_k_index, top_k_weights)
+    finally:
+        del shell.__dict__["gate_up_proj"], shell.__dict__["down_proj"]
+
+
+def eager_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, act_fn, num_experts: int, quantize_input) -> torch.Tensor:
+    """The transformers eager routing loop (MixtralExperts.forward) on gate_up [E, 2I, H] / down [E, H, I],
+    each expert's gate/up input and down input passed through ``quantize_input(x, proj, expert)``."""
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=num_experts + 1)
+        expert_mask = expert_mask.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == num_experts:
+            continue
+        e = int(expert_idx)
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current_state = quantize_input(hidden_states[token_idx], "gate_up", e)
+        gate, up = nn.functional.linear(current_state, gate_up[expert_idx]).chunk(2, dim=-1)
+        current_hidden_states = quantize_input(act_fn(gate) * up, "down", e)
+        current_hidden_states = nn.functional.linear(current_hidden_states, down[expert_idx])
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+def stacked_dequantized(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]): ``module.quantized_weight(proj, e).dequantize(dtype)`` stacked over
+    the experts, cached in ``module._cache`` until one of its weight buffers (``*_weight*``) changes."""
+    bufs = [b for k, b in module.named_buffers(recurse=False) if "_weight" in k]
+    key = (dtype, bufs[0].device, tuple(b._version for b in bufs), tuple(b.data_ptr() for b in bufs))
+    if module._cache is None or module._cache[0] != key:
+        out = tuple(torch.stack([module.quantized_weight(p, e).dequantize(dtype) for e in range(module.num_experts)])
+                    for p in _PROJ)
+        module._cache = (key, out)
+    return module._cache[1]
 
 
 def check_expert_counts(E: int, gate_up: list, down: list, gate_up_input_scale, down_input_scale,
@@ -160,7 +209,7 @@ class NVFP4Experts(nn.Module):
         m = cls(E, H, two_i // 2, act_fn=module.act_fn, input_scale_rule=input_scale_rule, input_error=input_error,
                 dtype=module.gate_up_proj.dtype, device=module.gate_up_proj.device)
         m.fill_weights(gate_up, down, gate_up_input_scale, down_input_scale)
-        m.__dict__["_hf_shell"] = _shell(module)
+        m.__dict__["_hf_shell"] = shell_of(module)
         return m
 
     @torch.no_grad()
@@ -197,14 +246,7 @@ class NVFP4Experts(nn.Module):
     def dequantized(self, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]): x^ = (q * s) * (1/S_e) per expert, in ``dtype`` (default the
         replaced module's dtype); cached until a buffer changes."""
-        dtype = dtype or self._dtype
-        bufs = [b for k, b in self.named_buffers(recurse=False) if "_weight_" in k]
-        key = (dtype, bufs[0].device, tuple(b._version for b in bufs), tuple(b.data_ptr() for b in bufs))
-        if self._cache is None or self._cache[0] != key:
-            out = tuple(torch.stack([self.quantized_weight(p, e).dequantize(dtype) for e in range(self.num_experts)])
-                        for p in _PROJ)
-            self._cache = (key, out)
-        return self._cache[1]
+        return stacked_dequantized(self, dtype or self._dtype)
 
     def quantize_input(self, x: torch.Tensor, proj: str, expert: int) -> torch.Tensor:
         """W4A4: x fake-quantized to NVFP4 with expert ``expert``'s calibrated ``proj`` input scale; else x."""
@@ -217,7 +259,8 @@ class NVFP4Experts(nn.Module):
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return self.forward_with(hidden_states, top_k_index, top_k_weights, *self.dequantized(self._dtype))
+        # weights in the input's dtype (the replaced module's, unless the model was cast since: .to(bfloat16))
+        return self.forward_with(hidden_states, top_k_index, top_k_weights, *self.dequantized(hidden_states.dtype))
 
     def forward_with(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                      gate_up: torch.Tensor, down: torch.Tensor, quantize_input=None) -> torch.Tensor:
@@ -226,39 +269,17 @@ class NVFP4Experts(nn.Module):
         (scale learning passes a straight-through version of it). ``forward`` = this on ``dequantized()``."""
         shell = self._hf_shell
         if self.input_scale_rule is None and shell is not None:
-            shell.__dict__["gate_up_proj"], shell.__dict__["down_proj"] = gate_up, down
-            try:
-                return type(shell).forward(shell, hidden_states, top_k_index, top_k_weights)
-            finally:
-                del shell.__dict__["gate_up_proj"], shell.__dict__["down_proj"]
+            return hf_experts_forward(shell, hidden_states, top_k_index, top_k_weights, gate_up, down)
         return self._eager(hidden_states, top_k_index, top_k_weights, gate_up, down, quantize_input)
 
     def _eager(self, hidden_states, top_k_index, top_k_weights, gate_up, down, quantize_input=None) -> torch.Tensor:
-        """The transformers eager routing loop (MixtralExperts.forward), inputs quantized per expert
-        (``quantize_input``, default ``self.quantize_input``)."""
-        quantize_input = quantize_input or self.quantize_input
-        final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == self.num_experts:
-                continue
-            e = int(expert_idx)
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = quantize_input(hidden_states[token_idx], "gate_up", e)
-            gate, up = nn.functional.linear(current_state, gate_up[expert_idx]).chunk(2, dim=-1)
-            current_hidden_states = quantize_input(self.act_fn(gate) * up, "down", e)
-            current_hidden_states = nn.functional.linear(current_hidden_states, down[expert_idx])
-            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
-        return final_hidden_states
+        return eager_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, self.act_fn, self.num_experts,
+                             quantize_input or self.quantize_input)
 
     def _apply(self, fn, recurse=True):
+        """``.to(dtype)`` never casts the codes and scales (gpt-oss biases follow the model dtype)."""
         self._cache = None
-        return super()._apply(fn, recurse)
+        return keep_buffer_dtypes(self, super()._apply, fn, recurse, follow=("gate_up_proj_bias", "down_proj_bias"))
 
     def extra_repr(self) -> str:
         act = "W4A16" if self.input_scale_rule is None else f"W4A4 (activations scale_rule={self.input_scale_rule})"
@@ -266,5 +287,6 @@ class NVFP4Experts(nn.Module):
                 f"intermediate_dim={self.intermediate_dim}, {act}")
 
 
-__all__ = ["KNOWN_FUSED_EXPERTS", "NVFP4Experts", "UNSUPPORTED_FUSED_EXPERTS", "check_expert_counts",
-           "fused_experts_layout", "has_fused_expert_parameters"]
+__all__ = ["KNOWN_FUSED_EXPERTS", "NVFP4Experts", "UNSUPPORTED_FUSED_EXPERTS", "check_expert_counts", "eager_experts",
+           "fused_experts_layout", "has_fused_expert_parameters", "hf_experts_forward", "shell_of",
+           "stacked_dequantized"]

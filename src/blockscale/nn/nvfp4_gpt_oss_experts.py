@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..quant import NVFP4, QuantizedTensor
-from .nvfp4_experts import NVFP4Experts, _shell, check_expert_counts
+from ..quant import QuantizedTensor
+from .nvfp4_experts import NVFP4Experts, check_expert_counts, shell_of
 
 GPT_OSS_EXPERTS = "GptOssExperts"
 _PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -104,7 +104,7 @@ class NVFP4GptOssExperts(NVFP4Experts):
         if module.gate_up_proj_bias.device.type != "meta":
             m.gate_up_proj_bias.copy_(module.gate_up_proj_bias.detach())
             m.down_proj_bias.copy_(module.down_proj_bias.detach())
-        m.__dict__["_hf_shell"] = _shell(module)
+        m.__dict__["_hf_shell"] = shell_of(module)
         return m
 
     # -- forward --------------------------------------------------------------------------------
@@ -116,38 +116,56 @@ class NVFP4GptOssExperts(NVFP4Experts):
         shell = self._hf_shell
         if shell is None:
             raise ValueError("NVFP4GptOssExperts needs the GptOssExperts it replaces (build it with from_experts)")
+        biases = (self.gate_up_proj_bias, self.down_proj_bias)
         if self.input_scale_rule is None:
-            d = shell.__dict__
-            d["gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
-            d["down_proj"] = down.transpose(1, 2).contiguous()
-            d["gate_up_proj_bias"], d["down_proj_bias"] = self.gate_up_proj_bias, self.down_proj_bias
-            try:
-                return type(shell).forward(shell, hidden_states, top_k_index, top_k_weights)
-            finally:
-                for k in _PARAMS:
-                    del d[k]
-        return self._eager(hidden_states, top_k_index, top_k_weights, gate_up, down, quantize_input)
+            return gpt_oss_forward(shell, hidden_states, top_k_index, top_k_weights, gate_up, down, *biases)
+        return eager_gpt_oss_experts(shell, hidden_states, top_k_index, top_k_weights, gate_up, down, *biases,
+                                     self.num_experts, quantize_input or self.quantize_input)
 
     def _eager(self, hidden_states, top_k_index, top_k_weights, gate_up, down, quantize_input=None) -> torch.Tensor:
-        """``GptOssExperts.forward``'s loop, each expert's inputs quantized (``quantize_input``)."""
-        quantize_input = quantize_input or self.quantize_input
-        shell = self._hf_shell
-        next_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            e = int(expert_idx)
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = quantize_input(hidden_states[token_idx], "gate_up", e)
-            gu = current_state @ gate_up[e].transpose(0, 1) + self.gate_up_proj_bias[e]
-            gated = quantize_input(type(shell)._apply_gate(shell, gu), "down", e)
-            out = gated @ down[e].transpose(0, 1) + self.down_proj_bias[e]
-            weighted = out * top_k_weights[token_idx, top_k_pos, None]
-            next_states.index_add_(0, token_idx, weighted.to(hidden_states.dtype))
-        return next_states
+        return eager_gpt_oss_experts(self._hf_shell, hidden_states, top_k_index, top_k_weights, gate_up, down,
+                                     self.gate_up_proj_bias, self.down_proj_bias, self.num_experts,
+                                     quantize_input or self.quantize_input)
 
 
-__all__ = ["GPT_OSS_EXPERTS", "NVFP4GptOssExperts", "gpt_oss_expert_matrices", "gpt_oss_experts_layout",
-           "is_gpt_oss_experts"]
+def gpt_oss_forward(shell: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor,
+                    down_bias: torch.Tensor) -> torch.Tensor:
+    """``GptOssExperts.forward`` (``shell``: ``shell_of`` the replaced module) on the out x in weights gate_up
+    [E, 2I, H] / down [E, H, I] transposed back (contiguous) and the given biases."""
+    d = shell.__dict__
+    d["gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
+    d["down_proj"] = down.transpose(1, 2).contiguous()
+    d["gate_up_proj_bias"], d["down_proj_bias"] = gate_up_bias, down_bias
+    try:
+        return type(shell).forward(shell, hidden_states, top_k_index, top_k_weights)
+    finally:
+        for k in _PARAMS:
+            del d[k]
+
+
+def eager_gpt_oss_experts(shell: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                          gate_up_bias: torch.Tensor, down_bias: torch.Tensor, num_experts: int,
+                          quantize_input) -> torch.Tensor:
+    """``GptOssExperts.forward``'s loop on the out x in weights, each expert's gate/up input and down input
+    passed through ``quantize_input(x, proj, expert)``."""
+    next_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        e = int(expert_idx)
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current_state = quantize_input(hidden_states[token_idx], "gate_up", e)
+        gu = current_state @ gate_up[e].transpose(0, 1) + gate_up_bias[e]
+        gated = quantize_input(type(shell)._apply_gate(shell, gu), "down", e)
+        out = gated @ down[e].transpose(0, 1) + down_bias[e]
+        weighted = out * top_k_weights[token_idx, top_k_pos, None]
+        next_states.index_add_(0, token_idx, weighted.to(hidden_states.dtype))
+    return next_states
+
+
+__all__ = ["GPT_OSS_EXPERTS", "NVFP4GptOssExperts", "eager_gpt_oss_experts", "gpt_oss_expert_matrices",
+           "gpt_oss_experts_layout", "gpt_oss_forward", "is_gpt_oss_experts"]

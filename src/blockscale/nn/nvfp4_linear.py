@@ -16,6 +16,7 @@ from torch import nn
 from ..quant import NVFP4, QuantizedTensor, fake_quantize
 # the calibrated input scale lives in quant.nvfp4; re-exported here for importers not yet switched
 from ..quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale, reciprocal_fixed_point
+from .fp8_linear import keep_buffer_dtypes
 
 
 class NVFP4Linear(nn.Module):
@@ -112,8 +113,9 @@ class NVFP4Linear(nn.Module):
         return F.linear(self.quantize_input(x), w, b)
 
     def _apply(self, fn, recurse=True):
+        """``.to(dtype)`` casts the bias only, never the codes and scales (as FP8Linear / MXLinear)."""
         self._cache = None
-        return super()._apply(fn, recurse)
+        return keep_buffer_dtypes(self, super()._apply, fn, recurse)
 
     def extra_repr(self) -> str:
         act = "W4A16" if self.input_scale_rule is None else f"W4A4 (activations scale_rule={self.input_scale_rule})"

@@ -1,5 +1,6 @@
 """PTQ of fused 3-D MoE experts (transformers >= 5 Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE experts modules):
-per-expert statistics from the tokens routed to each expert, per-expert NVFP4 weights, ``NVFP4Experts``.
+per-expert statistics from the tokens routed to each expert, per-expert NVFP4 weights (``NVFP4Experts``) or FP8 /
+MX weights (``SchemeExperts``: mixed recipes can give the experts any PTQ scheme).
 
 Statistics (``ExpertStatistics``): per expert e and projection, an ``InputStatistics`` with the method's
 ``StatisticsRequest`` (GPTQ: Hessians, AWQ: samples, SmoothQuant: per-channel max; always tokens and
@@ -12,9 +13,12 @@ Outer scales (``outer_scale``): "expert": gate/up rows of expert e share one out
 ``S = shared_outer_scale([gate_e, up_e])``, down has its own; "tensor": one S for all experts' gate+up
 rows and one for all downs. Weights are the method's ``quantize_weight`` of each expert's [2I, H] /
 [H, I] matrix with that S and the expert's statistics (RTN with the scheme's scale rule: 6, 4over6,
-sweep; GPTQ with the expert's own Hessian). W4A4: the input amax of expert e's gate/up and down GEMMs
+sweep; GPTQ with the expert's own Hessian). FP8 / MX schemes: the same with the scheme's weight spec; the
+per-tensor FP8 scale s = amax / 448 plays the part of S (gate and up of one expert share it; "tensor": one
+for all experts), per-channel / 128x128-block FP8 and MX scales are each expert's own ("tensor" is refused
+for them). Static activations (W4A4, fp8-w8a8 static): the input amax of expert e's gate/up and down GEMMs
 from its statistics. An expert no calibration token reached gets RTN weights (GPTQ has no Hessian for
-it) and, for W4A4, the largest input amax of the layer's other experts (else of the layer's Linears,
+it) and, with static activations, the largest input amax of the layer's other experts (else of the layer's Linears,
 else 1): finite scales, and a report note.
 
 gpt-oss (``GptOssExperts``: gate_up_proj [E, H, 2I] transposed, gate / up interleaved, biases, clamped GLU):
@@ -35,8 +39,10 @@ from torch import nn
 from ..errors import QuantizationError
 from ..nn.nvfp4_experts import NVFP4Experts
 from ..nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts, gpt_oss_expert_matrices, is_gpt_oss_experts
+from ..nn.scheme_experts import SchemeExperts
 from ..quant.nvfp4 import input_encode_scale
-from .scheme_quantize import group_weight_scale, rtn_quantize
+from .scheme_modules import build_linear
+from .scheme_quantize import fp8_input_granularity, group_weight_scale, rtn_quantize
 from .statistics import InputStatistics, StatisticsRequest
 
 _PROJ = ("gate_up", "down")
@@ -145,13 +151,20 @@ def _input_amax(stats: list[InputStatistics], fallback: float) -> tuple[list[flo
     return [s.amax if s.tokens else fill for s in stats], [e for e, s in enumerate(stats) if not s.tokens]
 
 
-def _outer_scales(scheme, W_gu: torch.Tensor, W_dn: torch.Tensor, mode: str) -> dict[str, list[torch.Tensor]]:
-    """Per projection, the outer scale S of every expert: "expert" (gate and up of one expert share one
-    since they are one GEMM), "tensor" (one for all experts' gate+up rows, one for all downs)."""
+def _outer_scales(scheme, W_gu: torch.Tensor, W_dn: torch.Tensor, mode: str) -> dict[str, list]:
+    """Per projection, the weight scale every expert's matrix is quantized with (``group_weight_scale``: the
+    NVFP4 outer scale S, the per-tensor FP8 scale; None for schemes whose scales are all per block / row):
+    "expert" (gate and up of one expert share one since they are one GEMM), "tensor" (one for all experts'
+    gate+up rows, one for all downs; a QuantizationError for a scheme without a per-tensor scale)."""
     E, I = W_gu.shape[0], W_gu.shape[1] // 2
     if mode == "tensor":
-        return {"gate_up": [group_weight_scale(scheme, list(W_gu))] * E,
-                "down": [group_weight_scale(scheme, list(W_dn))] * E}
+        out = {"gate_up": [group_weight_scale(scheme, list(W_gu))] * E,
+               "down": [group_weight_scale(scheme, list(W_dn))] * E}
+        if out["down"][0] is None:
+            raise QuantizationError(f"expert_outer_scale='tensor' shares one weight scale between all experts, but "
+                                    f"scheme {scheme.label} has none to share (its scales are per row or per block); "
+                                    "use expert_outer_scale='expert'")
+        return out
     if mode != "expert":
         raise ValueError(f"expert_outer_scale={mode!r}; allowed values: {', '.join(map(repr, OUTER_SCALE_MODES))}")
     return {"gate_up": [group_weight_scale(scheme, [W_gu[e, :I], W_gu[e, I:]]) for e in range(E)],
@@ -177,9 +190,10 @@ def _quantize_one(method, w: torch.Tensor, st: Optional[InputStatistics], spec, 
 
 
 def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Optional[ExpertStatistics],
-                         fallback_amax: float, outer_scale: str = "expert") -> tuple[NVFP4Experts, ExpertsReport]:
-    """``module`` as an ``NVFP4Experts`` under the NVFP4 ``scheme`` (outer scales per ``outer_scale``:
-    "expert" or "tensor") and its report."""
+                         fallback_amax: float, outer_scale: str = "expert") -> tuple[nn.Module, ExpertsReport]:
+    """``module`` under ``scheme`` (outer scales per ``outer_scale``: "expert" or "tensor") and its report:
+    an ``NVFP4Experts`` / ``NVFP4GptOssExperts`` for NVFP4 schemes, a ``SchemeExperts`` for FP8 / MX ones
+    (static FP8 activations: one calibrated input scale per expert and projection, amax / 448)."""
     spec = scheme.weight_spec
     gpt_oss = is_gpt_oss_experts(module)  # out x in matrices: gate_up_proj[e]^T (rows interleaved), down_proj[e]^T
     if gpt_oss:
@@ -200,14 +214,12 @@ def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Opti
                 odd.append(f"expert {e} {p}: {note}")
     notes, kw, amaxes = [], {}, None
     unrouted = [e for e, t in enumerate(est.tokens()) if t == 0] if est is not None else []
+    static = scheme.name == "nvfp4-w4a4" or (scheme.family == "fp8" and fp8_input_granularity(scheme) == "tensor")
+    if static:  # calibrated input scales, one per expert and projection
+        amaxes = {p: [fallback_amax] * E if est is None else _input_amax(est.stats[p], fallback_amax)[0]
+                  for p in _PROJ}
     if scheme.name == "nvfp4-w4a4":
-        amaxes, scales = {}, {}
-        for p in _PROJ:
-            if est is None:
-                amaxes[p] = [fallback_amax] * E
-            else:
-                amaxes[p], _ = _input_amax(est.stats[p], fallback_amax)
-            scales[p] = torch.cat([input_encode_scale(a, scheme.act_scale_rule) for a in amaxes[p]])
+        scales = {p: torch.cat([input_encode_scale(a, scheme.act_scale_rule) for a in amaxes[p]]) for p in _PROJ}
         kw = dict(gate_up_input_scale=scales["gate_up"], down_input_scale=scales["down"],
                   input_scale_rule=scheme.act_scale_rule, input_error=scheme.error)
     if unrouted:
@@ -215,7 +227,12 @@ def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Opti
                 + (", input amax from the layer's other experts" if amaxes is not None else ""))
         notes.append(line)
     notes.extend(odd)
-    new = (NVFP4GptOssExperts if gpt_oss else NVFP4Experts).from_experts(module, qs["gate_up"], qs["down"], **kw)
+    if scheme.family == "nvfp4":
+        new = (NVFP4GptOssExperts if gpt_oss else NVFP4Experts).from_experts(module, qs["gate_up"], qs["down"], **kw)
+    else:  # FP8 / MX: each expert's GEMM as its scheme's inference Linear, stacked
+        lin = {p: [build_linear(qs[p][e], None, scheme, amaxes[p][e] if amaxes else 0.0, W_gu.dtype)
+                   for e in range(E)] for p in _PROJ}
+        new = SchemeExperts.from_linears(module, lin["gate_up"], lin["down"], gpt_oss=gpt_oss)
     has_h = any(v is not None for v in out_rel["gate_up"] + out_rel["down"])
     rep = ExpertsReport(name, E, tuple(W_gu.shape), tuple(W_dn.shape), est.tokens() if est is not None else None,
                         rel, amaxes, "; ".join(notes), scheme.label,

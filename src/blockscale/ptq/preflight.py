@@ -21,7 +21,7 @@ from ..errors import DataError, QuantizationError, UsageError
 from ..nn.coverage import Coverage, weight_coverage
 from ..nn.fused import fused_groups
 from ..nn.nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
-from ..nn.nvfp4_gpt_oss_experts import GPT_OSS_EXPERTS, is_gpt_oss_experts
+from ..nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
 from .config import METHODS, PTQConfig
 from .finite import check_finite_parameters, non_finite_error
 from .scheme_plan import assign_schemes
@@ -29,8 +29,6 @@ from .scheme_plan import assign_schemes
 # above this share of the decoder-layer weight elements left in high precision, PTQ refuses to call
 # the result an NVFP4 model unless PTQConfig.allow_partial
 PARTIAL_LIMIT = 0.5
-#: PTQ methods that quantize gpt-oss experts (GptOssExperts): per-expert weights only, no smoothing folds
-GPT_OSS_METHODS = ("rtn", "gptq")
 
 
 @dataclass
@@ -98,11 +96,26 @@ def _choose(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig,
     return chosen
 
 
+def _experts_indivisible(full: str, H: int, I: int, scheme, gpt_oss: bool) -> Optional[str]:
+    """Why fused experts of hidden size H / intermediate size I cannot take ``scheme``, or None: NVFP4 needs
+    H and I multiples of 16 and MX of 32 (both are some GEMM's inputs); 128x128-block FP8 needs I a multiple
+    of 128 where gate and up are stored as two Linears (their rows split on a tile boundary; not gpt-oss)."""
+    block = scheme.block_size
+    if block and (H % block or I % block):
+        what = "NVFP4" if scheme.family == "nvfp4" else f"{scheme.name} (MX)"
+        return (f"{full}: hidden size {H} / intermediate size {I} is not a multiple of {block}, which {what} "
+                "checkpoints need")
+    if scheme.name == "fp8-block" and not gpt_oss and I % 128:
+        return (f"{full}: intermediate size {I} is not a multiple of 128, which fp8-block experts need (gate and up "
+                "are stored as two Linears of one expert, split on a 128-row tile)")
+    return None
+
+
 def _choose_experts(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[str],
                     schemes: dict, by_recipe: set) -> dict[str, nn.Module]:
     """The fused 3-D experts modules of ``layer`` to quantize (``nn.nvfp4_experts``), each one's scheme in
-    ``schemes``. Not ignored by the recipe and a scheme other than bf16: it must be NVFP4 (QuantizationError
-    otherwise, for now) and have the supported layout (QuantizationError naming the module otherwise)."""
+    ``schemes``. Not ignored by the recipe and a scheme other than bf16 (NVFP4, FP8 or MX): it must have a
+    supported layout and sizes (``_experts_indivisible``; QuantizationError naming the module otherwise)."""
     recipe = config.ptq_recipe
     chosen = {}
     for n, m in layer.named_modules():
@@ -116,19 +129,15 @@ def _choose_experts(model: nn.Module, layer: nn.Module, lprefix: str, config: PT
             by_recipe.add(full)
             continue
         keep = "keep it in high precision with exclude=[...] (or a bf16 rule in the recipe)"
-        if scheme.family != "nvfp4":
-            raise QuantizationError(f"{full}: scheme {scheme.label} is not yet supported for fused experts "
-                                    f"({type(m).__name__}; NVFP4 schemes only for now); {keep}")
-        why = None if is_gpt_oss_experts(m) else fused_experts_layout(m)  # gpt-oss: NVFP4GptOssExperts
+        why = None if is_gpt_oss_experts(m) else fused_experts_layout(m)  # gpt-oss: its own experts classes
         if why is not None:
             raise QuantizationError(f"{full}: {type(m).__name__} holds fused 3-D expert parameters in a layout PTQ "
                                     f"does not know ({why}); {keep}")
         E, two_i, H = m.gate_up_proj.shape
         if is_gpt_oss_experts(m):  # gate_up_proj [E, H, 2I]
             E, H, two_i = m.gate_up_proj.shape
-        if H % 16 or (two_i // 2) % 16:
-            why = (f"{full}: hidden size {H} / intermediate size {two_i // 2} is not a multiple of 16, which NVFP4 "
-                   "checkpoints need")
+        why = _experts_indivisible(full, H, two_i // 2, scheme, is_gpt_oss_experts(m))
+        if why is not None:
             if config.skip_indivisible:
                 warnings.append(f"{why.split(', which')[0]}: kept in high precision")
                 continue
@@ -225,12 +234,6 @@ def check_layers(layers: nn.ModuleList, prefix: str, config: PTQConfig) -> None:
     fold scales into each layer's norms and Linears), a QuantizationError naming the layer."""
     method = config.make_method()
     for i, layer in enumerate(layers):
-        gpt_oss = next((n for n, m in layer.named_modules() if type(m).__name__ == GPT_OSS_EXPERTS), None)
-        if gpt_oss is not None and method.name not in GPT_OSS_METHODS:
-            raise QuantizationError(f"{prefix}.{i}: method={method.name!r} is not supported on gpt-oss layers "
-                                    f"({prefix}.{i}.{gpt_oss} is a GptOssExperts: biases, a clamped GLU, gate/up "
-                                    "interleaved; no smoothing folds are written for it); use "
-                                    f"method={' / '.join(map(repr, GPT_OSS_METHODS))}")
         method.check_layer(layer, f"{prefix}.{i}")
 
 
@@ -280,7 +283,7 @@ def check_calibration(model: nn.Module, calibration, config: PTQConfig) -> None:
                             f"{vocab}); got min {lo}, max {hi}")
 
 
-__all__ = ["GPT_OSS_METHODS", "PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_experts_method",
+__all__ = ["PARTIAL_LIMIT", "Plan", "check_calibration", "check_coverage", "check_experts_method",
            "check_finite_parameters",
            "check_layers", "check_method_schemes", "coverage_line", "fused_experts_to_quantize", "non_finite_error",
            "plan_quantization", "vocab_size"]

@@ -11,6 +11,9 @@ MoE layers (``ptq.smoothing.moe``, ``awq_search_parts``): one scale vector per g
 the sum over the quantized consumers of ||Q(W s) (x / s) - W x||^2 on each consumer's own inputs (expert
 e: the tokens routed to it, or every token with calibrate_all; each expert with its own outer scale, or
 all experts with one for expert_outer_scale="tensor"); the router is rescaled but not in the error.
+gpt-oss experts (no up -> down group: the clamped GLU is not linear in up): the error of expert e is measured
+on its output ``_apply_gate(y + b_e) @ down_e`` (full-precision down) rather than on its gate/up GEMM output
+y, since the GLU weighs the 2I outputs unequally.
 """
 from __future__ import annotations
 
@@ -281,7 +284,10 @@ def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Opt
     parts: a sequence of ``(scheme, [(x_j, [W_jk, ...]), ...])``: the weights of one part share one weight
       scale (``group_weight_scale(scheme, all its W'_jk)``; scheme None: ``spec`` / ``act_scale_rule`` as
       in ``awq_search``); x_j [T_j, K] are the calibration inputs of the weights W_jk [N_jk, K] (T_j may
-      be 0: weights without inputs count for the shared scale only).
+      be 0: weights without inputs count for the shared scale only). An input may be a triple
+      ``(x_j, [W_jk, ...], post_j)``: its error is then ||post_j(X'_j Q_j^T) - post_j(x_j W_j^T)||^2 with
+      Q_j / W_j its weights' rows concatenated and post_j a function [T, N_j] -> [T, M_j] (counted as
+      T_j M_j elements; gpt-oss experts: their output after the clamped GLU and full-precision down).
     Candidates: ``awq_scales(x_mean, w_mean, alpha)`` with x_mean = mean |x| over every row of every
     x_j (a token read by several inputs counts once per input) and w_mean over every part's rows.
     Error of s: sum over parts, inputs j and weights k of ||X'_j Q_jk^T - x_j W_jk^T||^2 on at most
@@ -304,7 +310,9 @@ def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Opt
             raise TypeError(f"{fn}: a part without a scheme needs spec=NVFP4(...), got {type(spec).__name__}")
         qw, aq = _part_quantizers(scheme, spec, act_scale_rule)
         entries = []
-        for x, weights in inputs:
+        for inp in inputs:
+            x, weights = inp[0], inp[1]
+            post = inp[2] if len(inp) > 2 else None
             if K is None:
                 K, dev = x.shape[-1], x.device
             ws = [w.to(dev) for w in check_weights(weights, K, fn)]
@@ -319,15 +327,17 @@ def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Opt
                 a = x2.abs().double().sum(0)
                 means = a if means is None else means + a
                 n_rows += x2.shape[0]
-            lin = aq(1.0) is None
+            lin = aq(1.0) is None and post is None
             R = (torch.linalg.qr(xs, mode="r").R if T > K else xs) if lin and T else None
-            entries.append(dict(ws=ws, W=W, xs=xs, T=T, R=R, lin=lin, amax=x2.abs().amax(0).float() if T else None))
+            Y = post(xs @ W.T) if post is not None and T else None  # reference outputs [T, M]
+            entries.append(dict(ws=ws, W=W, xs=xs, T=T, R=R, lin=lin, amax=x2.abs().amax(0).float() if T else None,
+                                post=post, Y=Y, width=Y.shape[1] if Y is not None else W.shape[0]))
         prepared.append((qw, aq, entries))
     if n_rows == 0:
         raise ValueError(f"{fn}: no input has a calibration token")
     x_mean = (means / n_rows).float()
     w_mean = _weight_mean(torch.cat(all_w, 0)) if duo_scaling else None
-    count = sum(e["T"] * e["W"].shape[0] for _, _, es in prepared for e in es)
+    count = sum(e["T"] * e["width"] for _, _, es in prepared for e in es)
 
     def error_of(s: torch.Tensor) -> float:
         total = 0.0
@@ -349,7 +359,11 @@ def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Opt
                 q = aq(float((e["amax"] / s).max()))
                 for r0 in range(0, e["T"], rows):
                     xc = e["xs"][r0:r0 + rows]
-                    diff = torch.addmm(xc @ e["W"].T, q(xc / s), Qe.T, beta=-1.0)
+                    xq = q(xc / s) if q is not None else xc / s
+                    if e["post"] is not None:
+                        diff = e["post"](xq @ Qe.T) - e["Y"][r0:r0 + rows]
+                    else:
+                        diff = torch.addmm(xc @ e["W"].T, xq, Qe.T, beta=-1.0)
                     total += float(diff.square().sum(dtype=torch.float64))
         return total / max(1, count)
 
@@ -405,7 +419,8 @@ class AWQ(PTQMethod):
             return res.scales, res.alpha
 
         def choose_parts(group, parts):  # an MoE group: each expert on its own inputs (smoothing.GroupPart)
-            res = awq_search_parts([(p.scheme, [(st.sample(), ws) for st, ws in p.inputs]) for p in parts],
+            res = awq_search_parts([(p.scheme, [(st.sample(), ws, *(() if p.post is None else (p.post[j],)))
+                                                for j, (st, ws) in enumerate(p.inputs)]) for p in parts],
                                    spec=layer.weight_spec, act_scale_rule=layer.act_scale_rule, n_grid=o.grid,
                                    duo_scaling=o.duo_scaling, max_tokens=o.max_tokens)
             return res.scales, res.alpha

@@ -15,11 +15,12 @@ import torch
 
 from ...errors import QuantizationError
 from ...nn.fused import fused_groups
+from ...nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
 from ..finite import non_finite_error
 from ..statistics import InputStatistics
 from .fold import fold_smoothing
 from .groups import SmoothingGroup
-from .moe import MoESmoothingGroup, WeightSlice, fold_moe_smoothing, layer_smoothing_groups
+from .moe import MoESmoothingGroup, WeightSlice, fold_moe_smoothing, gpt_oss_expert_output, layer_smoothing_groups
 
 
 def check_folded(modules, method: str) -> None:
@@ -35,11 +36,14 @@ class GroupPart:
     """Quantized consumers of one ``MoESmoothingGroup`` that share one weight scale (a fused group of
     Linears, one expert's gate/up rows, all experts' with ``expert_outer_scale="tensor"``): ``inputs``
     holds, per distinct input, its statistics and the weights [N_i, K] reading it (views); ``scheme``
-    their ``recipes.Scheme`` (None: the flat NVFP4 context). names: their full names."""
+    their ``recipes.Scheme`` (None: the flat NVFP4 context). names: their full names. post: per input, None
+    (the error is measured on the GEMM outputs) or a function of the GEMM outputs [T, N] giving what the
+    error is measured on (gpt-oss experts: ``gpt_oss_expert_output``); None for all inputs."""
 
     names: tuple[str, ...]
     inputs: tuple[tuple[InputStatistics, tuple[torch.Tensor, ...]], ...]
     scheme: Optional[object] = None
+    post: Optional[tuple[Optional[Callable], ...]] = None
 
 
 def _smooth_linears(layer, method, choose, group, linear_names, alphas) -> None:
@@ -82,16 +86,20 @@ def moe_group_parts(layer, group: MoESmoothingGroup) -> list[GroupPart]:
         elif id(w.module) in exp:
             full = exp[id(w.module)]
             est = getattr(layer, "expert_stats", {}).get(full)
-            if est is not None:
-                experts.setdefault(full, []).append((est.stats[w.proj][w.expert], w.tensor()))
+            if est is not None:  # gpt-oss (read transposed): its error after the clamped GLU and down
+                post = gpt_oss_expert_output(w.module, w.expert) if is_gpt_oss_experts(w.module) else None
+                experts.setdefault(full, []).append((est.stats[w.proj][w.expert], w.tensor(), post))
     parts = [GroupPart(tuple(g), ((layer.stats[g[0]], tuple(linears[n] for n in g)),), schemes.get(g[0]))
              for g in fused_groups(list(linears))]
     tensor = getattr(layer, "expert_outer_scale", "expert") == "tensor" and not isinstance(group.prev, WeightSlice)
     for full, entries in experts.items():
+        posts = [p for _, _, p in entries]
         if tensor:
-            parts.append(GroupPart((full,), tuple((st, (w,)) for st, w in entries), schemes.get(full)))
+            parts.append(GroupPart((full,), tuple((st, (w,)) for st, w, _ in entries), schemes.get(full),
+                                   tuple(posts) if any(posts) else None))
         else:
-            parts += [GroupPart((full,), ((st, (w,)),), schemes.get(full)) for st, w in entries]
+            parts += [GroupPart((full,), ((st, (w,)),), schemes.get(full), None if p is None else (p,))
+                      for st, w, p in entries]
     return parts
 
 

@@ -3,11 +3,13 @@ dense Llama-style layers.
 
 Layers: ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and an MLP block (``mlp`` or
 ``block_sparse_moe``) that is either a dense gated MLP (gate/up/down, or w1/w3/w2 nn.Linear) or an MoE
-block: a router ``gate`` (an nn.Linear, or a router module with a 2-D ``weight`` [E, H] such as
-transformers' TopKRouter / DeepseekV3TopkRouter), ``experts`` (fused 3-D ``gate_up_proj`` [E, 2I, H] /
-``down_proj`` [E, H, I], or an nn.ModuleList of gated expert MLPs of nn.Linear), optionally a shared
-expert (``shared_expert`` / ``shared_experts``: a gated MLP) and Qwen2-MoE's ``shared_expert_gate``
-(nn.Linear H -> 1). Attention: Llama-style q/k/v/o (with q_norm / k_norm) or MLA (DeepSeek-V2/V3:
+block: a router ``gate`` or ``router`` (an nn.Linear, or a router module with a 2-D ``weight`` [E, H] and
+optionally a bias [E], such as transformers' TopKRouter / DeepseekV3TopkRouter / GptOssTopKRouter),
+``experts`` (fused 3-D ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I], gpt-oss's ``GptOssExperts``
+with ``gate_up_proj`` [E, H, 2I] transposed, or an nn.ModuleList of gated expert MLPs of nn.Linear),
+optionally a shared expert (``shared_expert`` / ``shared_experts``: a gated MLP) and Qwen2-MoE's
+``shared_expert_gate`` (nn.Linear H -> 1). Attention: Llama-style q/k/v/o (with q_norm / k_norm, biases,
+gpt-oss's per-head ``sinks`` logits, which smoothing leaves alone) or MLA (DeepSeek-V2/V3:
 ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` or ``q_proj``; ``kv_a_proj_with_mqa`` ->
 ``kv_a_layernorm`` -> ``kv_b_proj``; ``o_proj``). The groups, in the order they are folded:
 
@@ -23,7 +25,14 @@ expert (``shared_expert`` / ``shared_experts``: a gated MLP) and Qwen2-MoE's ``s
   shared expert up_proj    -> its down_proj
 
 MLA's ``o_proj`` is left unsmoothed (with a note) only when kv_b_proj's rows are not laid out as
-``num_heads x (qk_nope_head_dim + v_head_dim)``. The router is rescaled (its input is the norm's output) but stays in high precision.
+``num_heads x (qk_nope_head_dim + v_head_dim)``. The router is rescaled (its input is the norm's output;
+a router bias is untouched: ``(x / s)(W s)^T + b``) but stays in high precision.
+
+gpt-oss (``GptOssExperts``): expert e's consumer of the post-attention norm is ``gate_up_proj[e]`` read
+transposed, the out x in matrix [2I, H] (rows interleaved gate / up) that ``NVFP4GptOssExperts`` quantizes;
+its column j is gate_up_proj[e]'s row j, and the bias gate_up_proj_bias is untouched (exact:
+``(x / s)(s W) + b``). There is no up -> down group (``GPT_OSS_DOWN_NOTE``): its GLU
+``(clamp(up, -limit, limit) + 1) * glu(gate)`` is not linear in up.
 """
 from __future__ import annotations
 
@@ -34,34 +43,45 @@ import torch
 from torch import nn
 
 from ...nn.nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
+from ...nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
 from .fold import _set_, check_scales, divide_norm
-from .groups import FLOAT_DTYPES, SmoothingGroup, _get, check_norm_absorbs_scales, find_smoothing_groups
+from .groups import FLOAT_DTYPES, SmoothingGroup, check_norm_absorbs_scales, find_smoothing_groups
 
 _GATED = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _MLP_BLOCKS = ("mlp", "block_sparse_moe")
 _SHARED = ("shared_expert", "shared_experts")
+_ROUTERS = ("gate", "router")
 _PROJ_OF = {"gate_up_proj": "gate_up", "down_proj": "down"}
 MLA_O_PROJ_NOTE = ("o_proj not smoothed: kv_b_proj's rows are not num_heads x (qk_nope_head_dim + v_head_dim) "
                    "with o_proj reading num_heads x v_head_dim (the value rows it would fold into)")
+GPT_OSS_DOWN_NOTE = ("down_proj not smoothed: gpt-oss's GLU (clamp(up, -limit, limit) + 1) * glu(gate) is not "
+                     "linear in up (clamp(up / s) + 1 != (clamp(up) + 1) / s), so 1 / s cannot be folded into up")
 
 
 @dataclass(frozen=True)
 class WeightSlice:
     """A 2-D weight [N, K] read from a module: ``module.<param>`` (an nn.Linear's or a router's weight),
     or expert ``expert``'s matrix of a fused 3-D parameter, optionally only its rows ``rows``
-    (``gate_up_proj[e, I:]``: expert e's up rows). ``tensor()`` is a view: writing it writes the parameter."""
+    (``gate_up_proj[e, I:]``: expert e's up rows). ``transposed``: the expert's matrix is stored in x @ W
+    layout [K, N] (gpt-oss's ``gate_up_proj[e]`` [H, 2I]) and read as its transpose [N, K]; ``rows`` and
+    ``index`` then pick rows of that transpose. ``tensor()`` is a view: writing it writes the parameter."""
 
     module: nn.Module
     param: str = "weight"
     expert: Optional[int] = None
     rows: Optional[tuple[int, int]] = None
     index: Optional[tuple[int, ...]] = None  # rows picked one by one (MLA: kv_b_proj's value rows)
+    transposed: bool = False
 
-    def tensor(self) -> torch.Tensor:
-        """The slice (a view, except with ``index``: a copy; write it back with ``write``)."""
+    def _base(self) -> torch.Tensor:
         t = getattr(self.module, self.param)
         if self.expert is not None:
             t = t[self.expert]
+        return t.transpose(-2, -1) if self.transposed else t
+
+    def tensor(self) -> torch.Tensor:
+        """The slice (a view, except with ``index``: a copy; write it back with ``write``)."""
+        t = self._base()
         if self.rows is not None:
             t = t[self.rows[0]:self.rows[1]]
         if self.index is not None:
@@ -73,9 +93,7 @@ class WeightSlice:
         if self.index is None:
             _set_(self.tensor(), value_fp32)
             return
-        t = getattr(self.module, self.param)
-        if self.expert is not None:
-            t = t[self.expert]
+        t = self._base()
         if self.rows is not None:
             t = t[self.rows[0]:self.rows[1]]
         t[torch.tensor(self.index, device=t.device)] = value_fp32.to(t.dtype)
@@ -159,6 +177,17 @@ def fold_moe_smoothing(group: MoESmoothingGroup, s: torch.Tensor) -> None:
             _set_(w, w.float() * s.to(w.device))
 
 
+def gpt_oss_expert_output(experts: nn.Module, e: int):
+    """``y -> _apply_gate(y + gate_up_proj_bias[e]) @ down_proj[e]``: expert e of a ``GptOssExperts`` from its
+    gate/up GEMM output y [T, 2I] (interleaved) to its output [T, H] (down_proj's bias left out: it cancels in an
+    error), in FP32 with the module's current full-precision parameters. AWQ measures gpt-oss experts' errors
+    there: the clamped GLU weighs the 2I outputs unequally (clamped channels not at all)."""
+    def post(y: torch.Tensor) -> torch.Tensor:
+        b = experts.gate_up_proj_bias[e].detach().float().to(y.device)
+        return experts._apply_gate(y + b) @ experts.down_proj[e].detach().float().to(y.device)
+    return post
+
+
 def _gated(mlp) -> Optional[tuple[str, str, str]]:
     """(gate, up, down) attribute names when ``mlp`` is a gated MLP of nn.Linear (and nothing else)."""
     for names in _GATED:
@@ -171,9 +200,17 @@ def _gated(mlp) -> Optional[tuple[str, str, str]]:
 
 
 def _is_router(m) -> bool:
+    """An nn.Linear, or a module whose only parameters are a 2-D ``weight`` [E, H] and optionally a
+    ``bias`` [E] (gpt-oss; column scaling leaves it alone)."""
     w = getattr(m, "weight", None)
-    return isinstance(m, nn.Linear) or (isinstance(w, torch.Tensor) and w.dim() == 2
-                                        and {n for n, _ in m.named_parameters()} == {"weight"})
+    if isinstance(m, nn.Linear):
+        return True
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return False
+    names = {n for n, _ in m.named_parameters()}
+    b = getattr(m, "bias", None)
+    return names == {"weight"} or (names == {"weight", "bias"} and isinstance(b, torch.Tensor)
+                                   and tuple(b.shape) == (w.shape[0],))
 
 
 def _attention_groups(layer, norm1, notes) -> tuple[list, list[str]]:
@@ -186,7 +223,11 @@ def _attention_groups(layer, norm1, notes) -> tuple[list, list[str]]:
                                  ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm")]
         if v.out_features == o.in_features:
             groups.append(SmoothingGroup("self_attn.o_proj", v, (o,), ("self_attn.o_proj",), "self_attn.v_proj"))
-        return groups, [f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        paths = [f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        sinks = getattr(attn, "sinks", None)  # gpt-oss: per-head logits joining each softmax, unscaled
+        if isinstance(sinks, nn.Parameter) and sinks.dim() == 1:
+            paths.append("self_attn.sinks")
+        return groups, paths
     if all(lin(n) for n in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")) and getattr(attn, "kv_a_layernorm", None):
         first = "q_a_proj" if lin("q_a_proj") and lin("q_b_proj") else "q_proj" if lin("q_proj") else None
         if first is None:
@@ -221,7 +262,7 @@ def _attention_groups(layer, norm1, notes) -> tuple[list, list[str]]:
                               "(kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)")
 
 
-def _mlp_groups(layer, M: str, norm2) -> tuple[list, list[str]]:
+def _mlp_groups(layer, M: str, norm2, notes) -> tuple[list, list[str]]:
     block = getattr(layer, M)
     names = _gated(block)
     if names is not None:  # a dense gated MLP (DeepSeek's first layers, Qwen-MoE's mlp_only_layers)
@@ -233,13 +274,21 @@ def _mlp_groups(layer, M: str, norm2) -> tuple[list, list[str]]:
                                 "post_attention_layernorm"),
                  SmoothingGroup(f"{M}.{names[2]}", u, (d,), (f"{M}.{names[2]}",), f"{M}.{names[1]}")],
                 [f"{M}.{n}" for n in names])
-    router, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    rname = next((n for n in _ROUTERS if getattr(block, n, None) is not None), None)
+    router, experts = getattr(block, rname, None) if rname else None, getattr(block, "experts", None)
     if router is None or experts is None or not _is_router(router):
-        raise NotImplementedError(f"{M} is neither a gated MLP nor an MoE block with a router 'gate' (an "
-                                  "nn.Linear or a module with one 2-D weight) and 'experts'")
-    consumers = [Consumer(f"{M}.gate", WeightSlice(router))]
-    down_groups, paths = [], [f"{M}.gate"]
-    if has_fused_expert_parameters(experts):
+        raise NotImplementedError(f"{M} is neither a gated MLP nor an MoE block with a router 'gate' / 'router' "
+                                  "(an nn.Linear or a module with one 2-D weight and optionally a bias) and "
+                                  "'experts'")
+    consumers = [Consumer(f"{M}.{rname}", WeightSlice(router))]
+    down_groups, paths = [], [f"{M}.{rname}"]
+    if is_gpt_oss_experts(experts):  # gate_up_proj[e] [H, 2I] read as [2I, H]; no up -> down fold
+        n = f"{M}.experts"
+        consumers += [Consumer(n, WeightSlice(experts, "gate_up_proj", e, transposed=True))
+                      for e in range(experts.gate_up_proj.shape[0])]
+        paths.append(n)
+        notes.append(f"{n}.{GPT_OSS_DOWN_NOTE}")
+    elif has_fused_expert_parameters(experts):
         why = fused_experts_layout(experts)
         if why is not None:
             raise NotImplementedError(f"{M}.experts: {why}")
@@ -299,11 +348,11 @@ def find_moe_smoothing_groups(layer: nn.Module) -> tuple[list, list[str]]:
         raise NotImplementedError(f"no MLP block ({' or '.join(_MLP_BLOCKS)})")
     notes: list[str] = []
     attn_groups, attn_paths = _attention_groups(layer, norm1, notes)
-    mlp_groups, mlp_paths = _mlp_groups(layer, M, norm2)
-    allowed = {"input_layernorm", "post_attention_layernorm", *attn_paths, *mlp_paths}
+    mlp_groups, mlp_paths = _mlp_groups(layer, M, norm2, notes)
+    allowed = {"input_layernorm", "post_attention_layernorm", *attn_paths, *mlp_paths}  # modules (or parameters)
     for pname, _ in layer.named_parameters():
         owner = pname.rsplit(".", 1)[0] if "." in pname else ""
-        if owner not in allowed:
+        if owner not in allowed and pname not in allowed:
             raise NotImplementedError(f"parameter {pname!r} belongs to no module of the MoE / MLA layout")
     norms = [("input_layernorm", norm1), ("post_attention_layernorm", norm2)]
     norms += [(g.prev_name, g.prev) for g in attn_groups if g.prev_name.endswith("layernorm")
@@ -330,5 +379,5 @@ def layer_smoothing_groups(layer: nn.Module) -> tuple[list, list[str]]:
         raise NotImplementedError(f"{dense}; MoE / MLA layout: {err}") from None
 
 
-__all__ = ["Consumer", "MLA_O_PROJ_NOTE", "MoESmoothingGroup", "WeightSlice", "find_moe_smoothing_groups",
-           "fold_moe_smoothing", "layer_smoothing_groups"]
+__all__ = ["Consumer", "GPT_OSS_DOWN_NOTE", "MLA_O_PROJ_NOTE", "MoESmoothingGroup", "WeightSlice",
+           "find_moe_smoothing_groups", "fold_moe_smoothing", "gpt_oss_expert_output", "layer_smoothing_groups"]
