@@ -100,6 +100,9 @@ def cmd_learn_scales(args) -> int:
 
     setup(args)
     check_model(args.model)
+    if getattr(args, "fsdp", False) and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise UsageError("--fsdp needs a torchrun job with at least 2 processes (torchrun --nproc_per_node 2 -m "
+                         "blockscale.cli learn-scales ...); without torchrun drop --fsdp")
     device = _rank_device(check_device(args.device))
     check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="training tokens")
     check_product(("--batch-size", args.batch_size), ("--seq-len", args.seq_len), what="tokens per micro step")
@@ -146,7 +149,8 @@ def cmd_learn_scales(args) -> int:
     dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=args.lr_scales, lr_weights=args.lr_weights,
                              batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
                              temperature=args.temperature, ce_weight=args.ce_weight, seed=args.seed,
-                             out_dir=str(train_dir))
+                             out_dir=str(train_dir), fsdp=bool(getattr(args, "fsdp", False)),
+                             fsdp_param_dtype=getattr(args, "fsdp_param_dtype", "fp32"))
     record = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train,
               "scale_rule": None if is_ckpt else (args.scale_rule or "6"), "w4a4": None if is_ckpt else args.w4a4}
     if recipe is not None:  # (absent otherwise, so older run directories still resume)
@@ -231,6 +235,12 @@ def add_learn_scales(sub) -> None:
                         "or mode")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out directory if it is a blockscale checkpoint")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun (>= 2 processes): shard student and teacher with FSDP2 instead of DDP "
+                        "(sharded checkpoints OUT.train/latest.dcp; docs/lsq.md)")
+    p.add_argument("--fsdp-param-dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="mixed precision of --fsdp for everything but the LSQ learners (always fp32); gradients are "
+                        "reduced in fp32")
     add_common(p)
     p.set_defaults(func=cmd_learn_scales)
 

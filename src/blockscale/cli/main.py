@@ -20,6 +20,8 @@ from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ct
                      show_progress)
 from .reporting import ArgumentParser, run_reported, warn
 from .quantize import add_method_flags, method_names, method_options, quantize_reported, skip_indivisible
+from .quantize_streaming import add_streaming_flags, check_streaming_flags, run_streaming
+from .ranks import is_main_rank, ranked
 from ..errors import UsageError
 from ..quant.backend import BACKENDS
 
@@ -115,6 +117,7 @@ def _check_quantize(args):
         check_text(args.eval, "--eval")
     _check_max_shard_size(args.max_shard_size)
     _check_excludes(args.exclude)
+    check_streaming_flags(args)
     src = local_path(args.model)
     check_out(args.out, overwrite=args.overwrite, sources=[src])
     return src
@@ -141,6 +144,8 @@ def _cmd_quantize(args) -> int:
                     allow_partial=args.allow_partial, calibrate_all_experts=args.calibrate_all_experts,
                     expert_outer_scale=args.expert_outer_scale, n_samples=args.n_samples, seq_len=args.seq_len,
                     batch_size=args.batch_size, seed=args.seed, options=method_options(args, args.method))
+    if args.streaming:
+        return run_streaming(args, cfg, recipe, defaults, f"{PROG} quantize")
     out = Path(args.out)
     print(f"loading {args.model} ...", flush=True)
     lm = load_model(args.model, dtype=parse_dtype(args.dtype))
@@ -153,6 +158,8 @@ def _cmd_quantize(args) -> int:
         f"{PROG} quantize", lambda: calibrate_and_quantize(
             lm.model, lm.tokenizer, cfg, calib, defaults.calib_bos if args.calib is None else args.calib_bos,
             device=args.device, progress=show_progress()), defaulted=args.skip_indivisible is None)
+    if not is_main_rank():  # torchrun: rank 0 alone evaluates, writes and reports (cli.ranks)
+        return 0
     meta = {"model": args.model, "ptq": report.to_dict()}
     if args.eval:
         src_text = defaults.eval if args.eval == "default" else args.eval
@@ -305,9 +312,10 @@ def _add_quantize(sub) -> None:
     q.add_argument("--max-shard-size", default="2GB")
     q.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out directory if it is a blockscale checkpoint")
+    add_streaming_flags(q)  # --streaming, --resume, --offload-activations
     add_method_flags(q)  # --awq-grid, --sq-alpha, --gptq-damp, ...: from the methods' options dataclasses
     add_common(q)
-    q.set_defaults(func=_cmd_quantize)
+    q.set_defaults(func=ranked(f"{PROG} quantize", _cmd_quantize, alone=("--streaming",)))  # torchrun: cli.ranks
 
 
 def _add_eval(sub) -> None:

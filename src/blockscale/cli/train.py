@@ -22,6 +22,7 @@ import torch
 
 from .checks import MAX_THREADS, check_device, check_float, check_int, check_run_dir, flag_name
 from .common import resolve_recipe
+from .expert_parallel import add_expert_parallel_flags, expert_parallel_config
 from .reporting import ArgumentParser, run_reported
 from ..errors import DataError, UsageError
 from ..models.llama import PRESETS
@@ -32,13 +33,17 @@ from ..train.trainer import TrainConfig, check_train_values, train
 
 PROG = "blockscale train"
 _FLAGS = {"out_dir": "--out"}
-_CHOICES = {"autocast": ("auto", "bf16", "none")}
+_CHOICES = {"autocast": ("auto", "bf16", "none"), "fsdp_param_dtype": ("fp32", "bf16")}
 _HELP = {"autocast": "bf16 autocast: auto (on CUDA with bf16 support), bf16 (also on CPU: slow) or none",
          "device": "auto, cpu, cuda or cuda:N",
          "warmup_steps": "linear LR warmup steps (a warmup >= --steps warns: the LR never reaches --lr)",
          "eval_batches": "validation batches per evaluation (0: none)",
          "eval_interval": "evaluate every N steps (0: only at the end)",
-         "ckpt_interval": "save ckpt.pt every N steps (0: only at the end)"}
+         "ckpt_interval": "save ckpt.pt every N steps (0: only at the end)",
+         "fsdp": "shard with FSDP2 per decoder block instead of DDP (under torchrun, >= 2 processes; sharded "
+                 "checkpoints in <out>/ckpt.dcp; docs/training.md)",
+         "fsdp_param_dtype": "mixed precision of --fsdp: parameters all-gathered in fp32 (no casts) or bf16; "
+                             "gradients reduced in fp32"}
 _BOOL_HELP = {"progress": "no progress bars", "plot": "do not write <out>/loss.png"}
 
 
@@ -65,11 +70,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch's default; 1 is fastest for tiny models on busy cores)")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error (default: one line)")
+    add_expert_parallel_flags(p)
     for f in dataclasses.fields(TrainConfig):
         if f.name == "out_dir":
             continue
         flag, default = "--" + f.name.replace("_", "-"), f.default
-        if isinstance(default, bool):
+        if default is False:  # an opt-in switch (--fsdp)
+            p.add_argument(flag, dest=f.name, action="store_true", help=_HELP.get(f.name))
+        elif isinstance(default, bool):
             p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                            help=_BOOL_HELP.get(f.name, f"disable {f.name}"))
         elif isinstance(default, tuple):
@@ -124,6 +132,9 @@ def _check_args(args):
         check_run_dir(cfg.out_dir, "--out")
     elif args.resume:
         raise UsageError("--resume needs --out (the run folder holding ckpt.pt)")
+    if cfg.fsdp and env_world()[1] < 2:
+        raise UsageError("--fsdp needs a torchrun job with at least 2 processes (torchrun --nproc_per_node 2 -m "
+                         "blockscale.train ...); without torchrun drop --fsdp")
     return cfg, recipe
 
 
@@ -147,6 +158,7 @@ def _run(args) -> int:
     from ..recipes import recipe_to_dict
 
     cfg, recipe = _check_args(args)
+    comm = expert_parallel_config(args, cfg)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     data = _load(args, cfg)
@@ -166,7 +178,7 @@ def _run(args) -> int:
         n = sum(p.numel() for p in model.parameters())
         print(f"model {args.model_preset}: {n:,} parameters; data {args.data}: "
               f"{data.train.numel():,} train / {data.val.numel():,} val tokens", flush=True)
-    result = train(model, data, cfg, resume=args.resume, record=record, force=args.force)
+    result = train(model, data, cfg, resume=args.resume, record=record, force=args.force, expert_parallel=comm)
     for name, loss in (("train", result.final_train_loss), ("validation", result.final_val_loss)):
         if loss is not None and not math.isfinite(loss):
             raise DataError(f"training diverged: the final {name} loss is {loss} (lower --lr, check --data)")

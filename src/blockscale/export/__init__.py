@@ -14,7 +14,7 @@ format is one module building a ``CheckpointFormat`` and registering it (``regis
 ``export_checkpoint`` and ``load_checkpoint`` look formats up there.
 """
 from . import compressed_tensors, modelopt  # noqa: F401  (each registers its CheckpointFormat)
-from .checkpoint import REPORT_FILE, export_checkpoint
+from .checkpoint import REPORT_FILE, export_checkpoint, layer_tensors
 from .common import CheckpointError, is_blockscale_export
 from .load import checkpoint_format, load_checkpoint
 from .module_schemes import ModuleScheme
@@ -26,5 +26,5 @@ load = load_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointFormat", "FORMATS", "LayerTensors", "MixedFormat", "ModuleScheme",
            "ParsedConfig", "QuantScheme", "REPORT_FILE",
-           "SizeBreakdown", "checkpoint_format", "export_checkpoint", "format_named", "is_blockscale_export", "load",
-           "load_checkpoint", "register_format", "size_breakdown", "unregister_format"]
+           "SizeBreakdown", "checkpoint_format", "export_checkpoint", "format_named", "is_blockscale_export",
+           "layer_tensors", "load", "load_checkpoint", "register_format", "size_breakdown", "unregister_format"]

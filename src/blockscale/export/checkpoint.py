@@ -181,7 +181,8 @@ def _check_nvfp4(nvfp4: dict, linears: list, fmt: CheckpointFormat, plain: bool)
 
 def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str = "compressed-tensors", *,
                       tokenizer=None, max_shard_size: Union[int, str] = "2GB", metadata: Optional[dict] = None,
-                      overwrite: bool = False, source=None, extra_files: Optional[dict] = None) -> Path:
+                      overwrite: bool = False, source=None, extra_files: Optional[dict] = None,
+                      tensor_source=None) -> Path:
     """Write ``model`` (a transformers causal LM whose quantized Linears are ``NVFP4Linear``, ``FP8Linear``
     or ``MXLinear``, optionally with FP8 KV-cache scales ``attn.k_scale`` / ``attn.v_scale``) to ``out_dir``.
 
@@ -230,6 +231,9 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     ``metadata``: JSON-serializable calibration / method info stored under ``quantization_config.blockscale``.
     ``extra_files``: {plain file name ending in .json: JSON value} written with the others (run reports
       such as ptq_report.json), recorded in the report's ``written_files``.
+    ``tensor_source(name, placeholder)``: the tensor to write for a meta-device tensor of ``model``
+      (streaming PTQ: a skeleton whose decoder layers' large tensors are on the meta device, their exported
+      tensors read back from part files; ``layer_tensors``); None: every tensor is real.
     Returns the output directory.
     """
     fmt = format_named(format)
@@ -292,7 +296,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     config_json = _config_json(model, fmt.serving_dtype or dtype, qcfg)
 
     with atomic_directory(out_dir, overwrite) as tmp:
-        info = write_safetensors(tmp, tensors, shard_bytes, config=config_json)
+        info = write_safetensors(tmp, tensors, shard_bytes, config=config_json, materialize=tensor_source)
         write_json(tmp / CONFIG_FILE, config_json)
         gen = getattr(model, "generation_config", None)
         if gen is not None and getattr(model, "can_generate", lambda: False)():
@@ -328,10 +332,47 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     return out_dir
 
 
+class _Only(nn.Module):
+    """A model holding only the module at ``path`` (its names as in the full model) and the full model's config."""
+
+    def __init__(self, config, path: str, module: nn.Module):
+        super().__init__()
+        self.config = config
+        head, _, leaf = path.partition(".")
+        if not leaf:
+            self.add_module(head, module)
+        else:
+            self.add_module(head, _Only(None, leaf, module))
+
+
+def layer_tensors(model: nn.Module, path: str, format: str = "compressed-tensors") -> dict[str, torch.Tensor]:
+    """The tensors ``export_checkpoint`` writes for the module at ``path`` (one decoder layer, e.g.
+    "model.layers.3"), under the same names and with the same values, computed from that module alone
+    (the rest of ``model`` may be on the meta device) and checked as ``export_checkpoint`` checks them.
+    Their order is not the checkpoint's (that comes from the whole model). Streaming PTQ writes these
+    per layer and hands them back through ``export_checkpoint(tensor_source=)``."""
+    fmt = format_named(format)
+    part = _Only(model.config, path, model.get_submodule(path))
+    view = experts_view(part)
+    quantized, _high, linears = _collect(part, view)
+    if not quantized:
+        return {k: t.detach() for k, t in export_state(part, view).items()}
+    schemes = {n: scheme_of(m) for n, m in quantized.items()}
+    nvfp4 = {n: m for n, m in quantized.items() if schemes[n].is_nvfp4}
+    kv = kv_modules(part)
+    one_nvfp4 = len({m.input_global_scale is not None for m in nvfp4.values()}) <= 1
+    plain = len(nvfp4) == len(quantized) and one_nvfp4 and not kv
+    _check_nvfp4(nvfp4, linears, fmt, plain=plain)
+    if plain:  # (the NVFP4 tensors are the same in both forms; only the checkpoint's order differs)
+        return _tensors(part, quantized, fmt, view)
+    mixed = mixed_export.plan(part, fmt, quantized, schemes, kv, linears)
+    return mixed_export.tensors(part, mixed, quantized, fmt, export_state(part, view))
+
+
 def _bits(quantized: dict[str, NVFP4Linear]) -> float:
     n = sum(m.out_features * m.in_features for m in quantized.values())
     b = sum(m.weight_packed.numel() + m.weight_scale.numel() + 4 for m in quantized.values()) * 8
     return round(b / n, 4) if n else math.nan
 
 
-__all__ = ["export_checkpoint", "REPORT_FILE"]
+__all__ = ["export_checkpoint", "layer_tensors", "REPORT_FILE"]

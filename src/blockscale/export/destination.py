@@ -202,7 +202,8 @@ def current_umask() -> int:
     return mask
 
 
-def _fsync(path: Union[Path, str]) -> None:
+def fsync_path(path: Union[Path, str]) -> None:
+    """fsync a file or directory (errors ignored: not every file system supports it)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -219,8 +220,8 @@ def finish_files(directory: Path) -> None:
             p = os.path.join(root, name)
             if stat.S_ISREG(os.lstat(p).st_mode):
                 os.chmod(p, mode)
-                _fsync(p)
-        _fsync(root)
+                fsync_path(p)
+        fsync_path(root)
 
 
 @contextlib.contextmanager
@@ -261,7 +262,7 @@ def atomic_directory(out_dir: Union[str, os.PathLike], overwrite: bool = False) 
         raise
     finally:
         _ACTIVE.discard(str(tmp))
-    _fsync(out_dir.parent)
+    fsync_path(out_dir.parent)
     if old is not None:
         _discard_old(old)
     remove_stale(out_dir, ("old",))
@@ -281,5 +282,5 @@ def _discard_old(old: Path) -> None:
 
 
 __all__ = ["EXPORT_FILES", "RUN_FILES", "TOKENIZER_FILES", "atomic_directory", "check_destination", "check_output",
-           "check_source", "current_umask", "finish_files", "foreign_entries", "host_tag", "is_own_name",
+           "check_source", "current_umask", "finish_files", "foreign_entries", "fsync_path", "host_tag", "is_own_name",
            "parse_temp_name", "remove_stale", "temp_name", "written_by_export"]

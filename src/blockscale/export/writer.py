@@ -110,11 +110,13 @@ def config_digest(config: dict) -> str:
 
 
 def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], max_shard_size: int,
-                      metadata: dict[str, str] | None = None, *, config: dict | None = None) -> dict:
+                      metadata: dict[str, str] | None = None, *, config: dict | None = None,
+                      materialize=None) -> dict:
     """Write ``tensors`` as shards into ``directory``; returns ``{"files": [...], "total_size": n,
     "weight_map": {...}}`` (the index is written only when there are several shards). Each shard's
     metadata records the SHA-256 of each of its tensors and, given ``config`` (the config.json object
-    written next to it), ``config_digest(config)``."""
+    written next to it), ``config_digest(config)``. ``materialize(name, t)``: the tensor to write for
+    ``tensors[name]`` (streaming PTQ: meta-device placeholders read back one shard at a time)."""
     meta = {"format": "pt", **(metadata or {})}
     if config is not None:
         meta[CONFIG_DIGEST_KEY] = config_digest(config)
@@ -122,7 +124,7 @@ def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], max_sha
     names = shard_file_names(len(plan))
     weight_map: dict[str, str] = {}
     for fname, keys in zip(names, plan):
-        shard = {k: _standalone(tensors[k]) for k in keys}
+        shard = {k: _standalone(tensors[k] if materialize is None else materialize(k, tensors[k])) for k in keys}
         digests = json.dumps({k: tensor_digest(t) for k, t in shard.items()}, sort_keys=True)
         write_shard(directory / fname, shard, {**meta, DIGEST_KEY: digests})
         weight_map.update({k: fname for k in keys})

@@ -13,10 +13,14 @@ micro step and rank, each cut at a random offset to ``seq_len`` tokens. The stud
 (no dropout), so a run resumed from ``out_dir/latest.pt`` (trainable tensors, optimizer, step)
 repeats an uninterrupted one bit for bit (on CPU; on CUDA where the kernels are deterministic).
 Under torchrun (an initialized process group, or WORLD_SIZE > 1) the student is wrapped in DDP,
-each rank draws its own slice of the global batch, and only rank 0 writes files.
+each rank draws its own slice of the global batch, and only rank 0 writes files. With ``fsdp=True``
+student and teacher are sharded with FSDP2 instead (``train.fsdp``; docs/lsq.md "FSDP2"): the LSQ
+learners (latent weight + block amaxes) each in an FP32 unit of their own, then the decoder blocks and
+the root; sharded checkpoints ``latest.dcp``; both models are plain, full modules again at the end.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +32,9 @@ from torch import nn
 
 from ..eval.next_token import model_device, next_token_loss, output_logits
 from ..train import CheckpointContents, DistInfo, LoopConfig, StepReport, derive_seed, run_training
-from .enable import lsq_layers, scale_parameters, weight_parameters
+from ..train.distributed import cleanup_distributed, join_distributed
+from ..train.fsdp import check_fsdp_options, require_distributed, shard_model, unshard_model
+from .enable import learner_modules, lsq_layers, scale_parameters, weight_parameters
 
 DISTILL_TRAIN = ("scales", "all")
 DISTILL_CKPT_NAME = "latest.pt"
@@ -45,7 +51,9 @@ class DistillConfig:
     batch_size: sequences per micro step and rank; grad_accum micro steps per optimizer step.
     max_grad_norm: global clip norm over the trainable tensors (0 disables). eval_every: every N steps
     evaluate ``eval_tokens`` (if given) and write the checkpoint (0: only the final checkpoint).
-    out_dir: metrics.jsonl, latest.pt and losses.png (None writes nothing)."""
+    out_dir: metrics.jsonl, latest.pt and losses.png (None writes nothing).
+    fsdp: shard student and teacher with FSDP2 instead of DDP (torchrun, >= 2 processes); fsdp_param_dtype:
+    "fp32" | "bf16" for everything but the LSQ learners (always FP32); gradients reduced in FP32."""
 
     train: str = "scales"
     steps: int = 100
@@ -61,8 +69,11 @@ class DistillConfig:
     seed: int = 0
     out_dir: Optional[str] = None
     log_every: int = 10
+    fsdp: bool = False
+    fsdp_param_dtype: str = "fp32"
 
     def __post_init__(self):
+        check_fsdp_options(self.fsdp, self.fsdp_param_dtype, "DistillConfig")
         if self.train not in DISTILL_TRAIN:
             raise ValueError(f"DistillConfig.train={self.train!r}; allowed values: {', '.join(map(repr, DISTILL_TRAIN))}")
         ints = {"steps": 1, "batch_size": 1, "grad_accum": 1, "seq_len": 2, "log_every": 1, "eval_every": 0,
@@ -186,6 +197,11 @@ class DistillTask:
     def make_optimizer(self, student: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.groups, lr=self.cfg.lr_scales, weight_decay=0.0)
 
+    def fsdp_units(self, student: nn.Module) -> list[nn.Module]:
+        """FSDP units of their own, FP32 whatever fsdp_param_dtype says: every LSQ learner (its latent weight
+        and block amaxes; a bf16 amax would move its E4M3 scales)."""
+        return learner_modules(student)
+
     def lr(self, step: int) -> None:  # constant per group
         return None
 
@@ -258,13 +274,39 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
                       metrics_name=DISTILL_METRICS_NAME, plot_name=DISTILL_PLOT_NAME, plot_label="distill",
                       plot_title="LSQ distillation loss", progress=progress, batch_tokens=cfg.batch_size * cfg.seq_len,
                       train_mode=False)
-    res = run_training(student, DistillTask(teacher, tokens, cfg, eval_tokens), loop, model_device(student),
-                       resume=resume, record=record, force=force)
+    task = DistillTask(teacher, tokens, cfg, eval_tokens)
+    if not cfg.fsdp:
+        res = run_training(student, task, loop, model_device(student), resume=resume, record=record, force=force)
+    else:
+        res = _distill_fsdp(student, teacher, task, loop, cfg, eval_tokens, resume, record, force)
     return {"steps": res.step, "final_loss": res.final_train_loss,
             "first_loss": res.train_losses[0] if res.train_losses else None,
             "trainable_params": res.trainable_params, "optimizer_state_bytes": res.optimizer_state_bytes,
             "seconds_per_step": sum(res.step_seconds) / len(res.step_seconds) if res.step_seconds else None,
             "metrics_path": str(res.metrics_path) if res.metrics_path is not None else None}
+
+
+def _distill_fsdp(student, teacher, task, loop, cfg, eval_tokens, resume, record, force):
+    """run_training with ``loop.fsdp``, the frozen teacher sharded too (per block, then the root) and
+    unsharded again at the end; joins (and leaves) the torchrun job around both."""
+    info = join_distributed(model_device(student))
+    try:
+        require_distributed(info)
+        if eval_tokens is not None and eval_tokens.shape[0] % info.world_size:
+            raise ValueError(f"eval_tokens has {eval_tokens.shape[0]} rows: with fsdp every rank evaluates the same "
+                             f"number of windows (a multiple of the world size {info.world_size})")
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        shard_model(teacher, cfg.fsdp_param_dtype)
+        try:
+            return run_training(student, task, dataclasses.replace(loop, fsdp=True,
+                                                                   fsdp_param_dtype=cfg.fsdp_param_dtype),
+                                model_device(student), resume=resume, record=record, force=force)
+        finally:
+            unshard_model(teacher)
+    finally:
+        cleanup_distributed(info)
 
 
 __all__ = ["DISTILL_TRAIN", "DistillConfig", "DistillTask", "distill", "distill_loss", "eval_next_token_loss",

@@ -138,9 +138,21 @@ def weight_parameters(model: nn.Module) -> list[nn.Parameter]:
     return out
 
 
+def learner_modules(model: nn.Module) -> list[nn.Module]:
+    """The scale learners of ``model`` (``NVFP4ScaleLearner`` of each LSQLinear, the experts' learners of
+    each LSQExperts), in model order: the modules holding the latent weights and the block amaxes."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, LSQLinear):
+            out.append(m.learner)
+        elif isinstance(m, LSQExperts):
+            out += list(m.learners().values())
+    return out
+
+
 def lsq_layers(model: nn.Module) -> dict[str, Union[LSQLinear, LSQExperts]]:
     """The scale-learning modules of ``model`` by name: LSQLinear layers and LSQExperts (fused MoE experts)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, (LSQLinear, LSQExperts))}
 
 
-__all__ = ["ENABLE_INITS", "LSQLinear", "enable", "freeze", "lsq_layers", "scale_parameters", "weight_parameters"]
+__all__ = ["ENABLE_INITS", "LSQLinear", "enable", "freeze", "learner_modules", "lsq_layers", "scale_parameters", "weight_parameters"]

@@ -123,18 +123,24 @@ class Router(nn.Module):
             logits = F.linear(x2d.float(), self.weight.float())
         return logits.softmax(dim=-1)
 
-    def forward(self, x2d: Tensor) -> tuple[RoutingPlan, Tensor]:
-        T, E, k = x2d.shape[0], self.n_experts, self.top_k
+    def route(self, x2d: Tensor) -> tuple[RoutingPlan, Tensor]:
+        """(RoutingPlan, p [T, E] FP32): the routing without the load-balancing loss (``forward`` adds
+        it on these tokens; expert parallelism can form it over every rank's tokens instead)."""
+        E, k = self.n_experts, self.top_k
         p = self.probs(x2d)
         top_p, top_e = p.topk(k, dim=-1)  # [T, k], largest first
         w = top_p / top_p.sum(dim=-1, keepdim=True) if self.normalize_top_k else top_p
         flat_e = top_e.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
         counts = torch.bincount(flat_e, minlength=E)
-        plan = RoutingPlan(order=order, token=order // k, weight=w.reshape(-1)[order], counts=counts)
+        return RoutingPlan(order=order, token=order // k, weight=w.reshape(-1)[order], counts=counts), p
+
+    def forward(self, x2d: Tensor) -> tuple[RoutingPlan, Tensor]:
+        T, E, k = x2d.shape[0], self.n_experts, self.top_k
+        plan, p = self.route(x2d)
         if T == 0:  # no tokens: nothing to balance (and mean over no tokens would be NaN)
             return plan, self.weight.sum() * 0.0
-        f = counts.to(torch.float32) / (T * k)
+        f = plan.counts.to(torch.float32) / (T * k)
         aux = self.aux_loss_coef * E * (f * p.mean(dim=0)).sum()
         return plan, aux
 

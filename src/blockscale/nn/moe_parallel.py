@@ -24,7 +24,8 @@ tokens first), so results are equal bit for bit there, not only to rounding.
 Training: the router and shared expert are replicated (average their gradients over ranks, as data
 parallel does); each expert's gradient already sums the contributions of every rank's tokens, so
 divide it by W for the mean-over-ranks loss: ``sync_expert_parallel_grads``. The load-balancing
-loss is computed per rank on its own tokens.
+loss is computed per rank on its own tokens, or (``global_aux=True``, what ``blockscale train
+--expert-parallel`` uses) over the global batch: ``global_load_balancing_loss``.
 """
 from __future__ import annotations
 
@@ -132,9 +133,10 @@ class ExpertParallelMoE(nn.Module):
     """An ``MoE`` whose experts live on the ranks of ``group`` (E divisible by W): built from a full
     ``MoE`` (the same on every rank, e.g. same seed), keeping this rank's slice of the expert weights.
     ``forward(x [B, L, d]) -> [B, L, d]``; ``aux_loss`` and ``stats`` (WireStats) after each call.
+    global_aux: form ``aux_loss`` over every rank's tokens (``global_load_balancing_loss``), not this rank's.
     """
 
-    def __init__(self, moe: MoE, comm: CommConfig = CommConfig(), group=None):
+    def __init__(self, moe: MoE, comm: CommConfig = CommConfig(), group=None, global_aux: bool = False):
         super().__init__()
         if not isinstance(moe, MoE):
             raise ValueError(f"moe must be a blockscale.nn.MoE, got {type(moe).__name__}")
@@ -148,12 +150,10 @@ class ExpertParallelMoE(nn.Module):
         E = full.n_experts
         if full.n_local != E:
             raise ValueError("moe must hold all its experts (a full MoE, not a shard)")
-        if E % self.world:
-            raise ValueError(f"n_experts={E} is not divisible by the world size {self.world}: every rank needs "
-                             "the same number of experts")
+        check_expert_split(E, self.world)
         n_local = E // self.world
         first = self.rank * n_local
-        self.cfg, self.comm, self.n_local = moe.cfg, comm, n_local
+        self.cfg, self.comm, self.n_local, self.global_aux = moe.cfg, comm, n_local, bool(global_aux)
         self.router = moe.router
         self.shared_expert = moe.shared_expert
         self.experts = GroupedExperts(E, full.d, full.d_ff, full.recipe, first_expert=first, n_local=n_local,
@@ -173,7 +173,11 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
-        plan, self.aux_loss = self.router(x2d)
+        if self.global_aux and self.world > 1:
+            plan, p = self.router.route(x2d)
+            self.aux_loss = global_load_balancing_loss(self.router, p, plan.counts, self.group)
+        else:  # one rank: the global batch is this rank's
+            plan, self.aux_loss = self.router(x2d)
         W, n = self.world, self.n_local
         if W == 1:
             counts_in = plan.counts.view(1, n)
@@ -208,13 +212,46 @@ class ExpertParallelMoE(nn.Module):
                 f"dispatch={c.dispatch}, combine={c.combine}, grads={c.dispatch_grad}/{c.combine_grad}")
 
 
-def to_expert_parallel(model: nn.Module, comm: CommConfig = CommConfig(), group=None) -> list[str]:
+def global_load_balancing_loss(router, p: Tensor, counts: Tensor, group=None) -> Tensor:
+    """The load-balancing loss over the tokens of every rank of ``group`` (see ``nn.moe``):
+
+        aux = coef * E * sum_e f_e P_e,  f_e = (sum_r counts_r[e]) / (T k),  P_e = (sum_r sum_t p_r[t, e]) / T
+
+    with T the tokens of all ranks (one all-reduce of [counts, sum_t p, T_r]). Every rank returns this
+    same value; its gradient is W times the part of this rank's probabilities, so the mean over ranks
+    of the gradients (what DDP / ``sync_expert_parallel_grads`` form) is the gradient of the global
+    loss. Equal to ``Router.forward``'s loss on the ranks' tokens concatenated, up to the order of
+    the sums."""
+    E, k, W = router.n_experts, router.top_k, dist.get_world_size(group)
+    p_sum = p.sum(dim=0)
+    stats = torch.cat([counts.to(torch.float32), p_sum.detach().float(),
+                       torch.full((1,), float(p.shape[0]), device=p.device)])
+    dist.all_reduce(stats, group=group)
+    n_tokens = float(stats[2 * E])
+    if n_tokens == 0:
+        return router.weight.sum() * 0.0
+    f = stats[:E] / (n_tokens * k)
+    P = (stats[E:2 * E] + W * (p_sum - p_sum.detach())) / n_tokens  # value: the global sums
+    return router.aux_loss_coef * E * (f * P).sum()
+
+
+def check_expert_split(n_experts: int, world_size: int) -> None:
+    """ValueError naming both numbers unless ``n_experts`` splits evenly over ``world_size`` ranks
+    (``ExpertParallelMoE`` gives every rank the same number of experts: uneven shards are not supported)."""
+    if n_experts % world_size:
+        raise ValueError(f"expert parallelism: n_experts={n_experts} is not divisible by the world size "
+                         f"{world_size}: every rank holds the same number of experts (use a world size that "
+                         f"divides {n_experts})")
+
+
+def to_expert_parallel(model: nn.Module, comm: CommConfig = CommConfig(), group=None,
+                       global_aux: bool = False) -> list[str]:
     """Replace every ``MoE`` in ``model`` by an ``ExpertParallelMoE`` (in place); returns the names."""
     names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, ExpertParallelMoE(getattr(owner, child), comm, group))
+        setattr(owner, child, ExpertParallelMoE(getattr(owner, child), comm, group, global_aux=global_aux))
     return names
 
 
@@ -247,4 +284,5 @@ def sync_expert_parallel_grads(model: nn.Module, group=None) -> None:
 
 
 __all__ = ["COMBINE_PAYLOADS", "CommConfig", "DISPATCH_PAYLOADS", "ExpertParallelMoE", "GRAD_PAYLOADS", "WireStats",
-           "expert_parameter_names", "sync_expert_parallel_grads", "to_expert_parallel"]
+           "check_expert_split", "expert_parameter_names", "global_load_balancing_loss", "sync_expert_parallel_grads",
+           "to_expert_parallel"]

@@ -90,11 +90,16 @@ def capture_first_layer_inputs(model: nn.Module, layers: nn.ModuleList, batches:
 
 
 @torch.no_grad()
-def run_layer(layer: nn.Module, inputs: list[LayerInput], device) -> list[LayerInput]:
-    """The layer applied to every stored input (on ``device``); outputs become the next layer's inputs."""
+def run_layer(layer: nn.Module, inputs: list[LayerInput], device, keep_outputs: bool = True) -> list[LayerInput]:
+    """The layer applied to every stored input (on ``device``); outputs become the next layer's inputs.
+    ``keep_outputs=False``: run for the hooks' sake only (statistics, KV amax): each output is dropped at
+    once, so at most one batch's output is alive (the inputs may be read from disk one at a time); returns []."""
     outs = []
     for inp in inputs:
         y = layer(_to(inp.hidden, device), *_to(inp.args, device), **_to(inp.kwargs, device))
+        if not keep_outputs:
+            del y
+            continue
         if isinstance(y, (tuple, list)):
             y = y[0]
         outs.append(LayerInput(y.to(inp.hidden.device), inp.args, inp.kwargs))

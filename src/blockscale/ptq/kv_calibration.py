@@ -30,13 +30,16 @@ def check_kv_layers(layers: nn.ModuleList, prefix: str) -> None:
                                     "in every decoder layer; found none here (use a recipe without kv_cache)")
 
 
-def calibrate_kv(layer: nn.Module, lprefix: str, inputs, device, per_head: bool) -> tuple[dict, list[str]]:
+def calibrate_kv(layer: nn.Module, lprefix: str, inputs, device, per_head: bool,
+                 reduce=None) -> tuple[dict, list[str]]:
     """Observe the layer's post-RoPE K / V on ``inputs`` and attach the scales. Returns (report
-    entries {attn name: {"k_amax", "v_amax", "k_scale", "v_scale"} as lists}, warnings)."""
+    entries {attn name: {"k_amax", "v_amax", "k_scale", "v_scale"} as lists}, warnings). ``reduce``:
+    ``reduce(amax, names)`` of the observed {name: (k_amax, v_amax)} before the scales are made (data-parallel
+    calibration: the max over ranks, ``ptq.distributed``)."""
     attns = layer_attention(layer, lprefix)
     with observe_kv(attns, per_head=per_head) as obs:
-        run_layer(layer, inputs, device)
-    amax = obs.amax
+        run_layer(layer, inputs, device, keep_outputs=False)
+    amax = obs.amax if reduce is None else reduce(obs.amax, list(attns))
     entries, notes = {}, []
     for name, attn in attns.items():
         if name not in amax:

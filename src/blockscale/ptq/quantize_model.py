@@ -35,6 +35,7 @@ from ..nn.fused import fused_groups
 from ..quant import NVFP4
 from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
 from .config import PTQConfig
+from .distributed import CalibrationRanks, calibration_ranks
 from .fused_experts import ExpertsReport, expert_scale_groups, observe_experts, quantize_experts
 from .kv_calibration import calibrate_kv, check_kv_layers
 from .preflight import (check_calibration, check_coverage, check_experts_method, check_finite_parameters, check_layers,
@@ -157,7 +158,7 @@ def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict,
 
 
 def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQConfig, calibration,
-               report: PTQReport) -> tuple[list[dict[str, nn.Linear]], dict, int, list]:
+               report: PTQReport, check_finite: bool = True) -> tuple[list[dict[str, nn.Linear]], dict, int, list]:
     """Everything checked before calibrating; fills the report's high-precision fields and warns once
     about them. Returns the Linears to quantize per layer, their schemes and how many report.warnings
     were warned, and the fused-experts modules to quantize per layer."""
@@ -166,8 +167,9 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
     report.high_precision_elements = dict(plan.coverage.high_precision)
     report.high_precision_fraction = plan.coverage.high_precision_fraction
     line = check_coverage(plan.coverage, config, plan.kept_by_recipe)  # raises when most would stay high precision
-    check_finite_parameters(layers, prefix)
-    check_layers(layers, prefix, config)
+    if check_finite:  # (False: layers on the meta device; streaming checks each one once loaded)
+        check_finite_parameters(layers, prefix)
+        check_layers(layers, prefix, config)
     check_method_schemes(config.make_method(), plan.schemes)
     check_experts_method(config.make_method(), plan.experts)
     if config.ptq_recipe.kv_cache is not None:
@@ -175,7 +177,7 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
     if config.needs_calibration:
         check_calibration(model, calibration, config)
     if line is not None:
-        warnings.warn(line, RuntimeWarning, stacklevel=3)
+        warnings.warn(line, RuntimeWarning, stacklevel=4)
         report.warnings.append(line)
     warned = len(report.warnings)
     report.warnings.extend(plan.warnings)
@@ -183,7 +185,7 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
 
 
 def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[torch.Tensor] = None, *,
-                   device=None, progress: bool = True) -> PTQReport:
+                   device=None, progress: bool = True, data_parallel: Optional[bool] = None) -> PTQReport:
     """Quantize ``model`` (a transformers causal LM, or any model whose decoder layers form one
     ModuleList) in place: every nn.Linear inside the decoder layers, except the recipe's ignore list
     (``config.exclude`` for the flat config) and its "bf16" Linears, becomes its scheme's module
@@ -193,6 +195,9 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     ``ptq.fused_experts``). ``calibration``: [n, T]
     token ids (needed unless the method is RTN and no scheme has static activations nor the recipe a
     KV cache). ``device``: where each layer is processed (default: where the model is).
+    ``data_parallel``: inside a torch.distributed process group of several ranks (torchrun), each rank
+    calibrates on its share of the calibration batches and the statistics are reduced over ranks
+    (``ptq.distributed``; None: whenever such a group is initialized, False: never, True: required).
     Returns a report (per-linear errors and scheme, what stays in high precision, KV scales, time).
 
     Before calibrating, raises QuantizationError when more than half of the decoder layers' weight
@@ -203,79 +208,140 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     finds no attention module in a layer; DataError for calibration ids outside the vocabulary or
     an empty calibration set. While calibrating, DataError when a Linear's inputs are NaN/inf."""
     t0 = time.time()
-    if not isinstance(config, PTQConfig):
-        raise TypeError(f"config must be a PTQConfig, got {type(config).__name__}")
-    recipe = config.ptq_recipe
-    spec, act_rule = _legacy_nvfp4(recipe)
-    method = config.make_method()
-    request = method.statistics()
-    report = PTQReport(config=config.to_dict())
-    layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
-    home = next(model.parameters()).device
-    device = torch.device(device) if device is not None else home
-    per_layer, schemes, warned, per_layer_experts = _preflight(model, layers, prefix, config, calibration, report)
-    report.layers = len(layers)
-
-    inputs: Optional[list[LayerInput]] = None
-    if config.needs_calibration:
-        batches = list(calibration.split(config.batch_size))
-        report.calibration_tokens = calibration.numel()
-        inputs = capture_first_layer_inputs(model, layers, batches)
-        inputs = [LayerInput(i.hidden.to(device), i.args, i.kwargs) for i in inputs]
-
-    it = range(len(layers))
+    run = start_pass(model, config, calibration, device, data_parallel=data_parallel)
+    inputs = first_inputs(run, calibration)
+    it = range(len(run.layers))
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(it, desc=f"PTQ {config.label}", unit="layer")
     for i in it:
-        layer = layers[i]
-        layer.to(device)
-        linears, experts = per_layer[i], per_layer_experts[i]
-        stats, alphas, ex_stats = None, {}, None
-        if inputs is not None and (linears or experts):
-            def record():
-                with observe_experts(experts, i, report.calibration_tokens, device, request,
-                                     config.calibrate_all_experts) as ex:
-                    st = collect_statistics(layer, i, inputs, linears, request, device, report.calibration_tokens,
-                                            config.calibrate_all_experts)
-                return st, ex
+        inputs = quantize_layer(run, i, inputs)
+    return finish_pass(run, t0)
 
-            stats, ex_stats = record()
-            ctx = LayerContext(layer, i, linears, stats, spec, act_rule, {n: schemes[n] for n in [*linears, *experts]},
-                               experts, ex_stats or {}, config.expert_outer_scale)
-            with torch.no_grad():
-                alphas = method.transform_layer(ctx)
-            for note in ctx.notes:  # e.g. a group the method leaves alone in every MLA layer: said once
-                line = f"{prefix}.*.{note}"
-                if line not in report.warnings:
-                    report.warnings.append(line)
-            static = any(schemes[n].static_activations for n in [*linears, *experts])
-            if alphas and (static or method.quantizes_with_statistics):
-                stats, ex_stats = record()
-        fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
+
+@dataclass
+class LayerPass:
+    """What ``quantize_model`` carries from one decoder layer to the next (``start_pass`` makes it after the
+    preflight; ``quantize_layer`` quantizes one layer; ``finish_pass`` closes the report). Streaming PTQ
+    (``ptq.streaming``) drives the same three steps with each layer loaded only while it is processed."""
+
+    model: nn.Module
+    layers: nn.ModuleList
+    prefix: str
+    config: PTQConfig
+    method: PTQMethod
+    request: object
+    spec: NVFP4
+    act_rule: Optional[str]
+    report: PTQReport
+    per_layer: list
+    per_layer_experts: list
+    schemes: dict
+    warned: int
+    home: torch.device
+    device: torch.device
+    ranks: CalibrationRanks = field(default_factory=CalibrationRanks)  # data-parallel calibration (ptq.distributed)
+
+
+def start_pass(model: nn.Module, config: PTQConfig, calibration, device=None, *, check_finite: bool = True,
+               data_parallel: Optional[bool] = None) -> LayerPass:
+    """Checks (``_preflight``) and the pass state. ``check_finite=False``: the decoder layers' parameters
+    are not read (on the meta device: the caller checks each layer with ``finite.check_finite_parameters``
+    and ``preflight.check_layers`` once it is loaded)."""
+    if not isinstance(config, PTQConfig):
+        raise TypeError(f"config must be a PTQConfig, got {type(config).__name__}")
+    recipe = config.ptq_recipe
+    spec, act_rule = _legacy_nvfp4(recipe)
+    method = config.make_method()
+    report = PTQReport(config=config.to_dict())
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    home = next(model.parameters()).device
+    if home.type == "meta":
+        home = torch.device("cpu")
+    device = torch.device(device) if device is not None else home
+    ranks = calibration_ranks(data_parallel)
+    checks = (model, layers, prefix, config, calibration, report, check_finite)  # synced: one rank fails, all do
+    per_layer, schemes, warned, per_layer_experts = ranks.synced(_preflight, *checks) if ranks.enabled else \
+        _preflight(*checks)
+    report.layers = len(layers)
+    return LayerPass(model, layers, prefix, config, method, method.statistics(), spec, act_rule, report, per_layer,
+                     per_layer_experts, schemes, warned, home, device, ranks)
+
+
+def first_inputs(run: LayerPass, calibration) -> Optional[list[LayerInput]]:
+    """The calibration batches at the first decoder layer's door (on ``run.device``), or None without calibration."""
+    if not run.config.needs_calibration:
+        return None
+    batches = run.ranks.shard(list(calibration.split(run.config.batch_size)), calibration)  # this rank's share
+    run.report.calibration_tokens = calibration.numel()
+    inputs = capture_first_layer_inputs(run.model, run.layers, batches)
+    return [LayerInput(i.hidden.to(run.device), i.args, i.kwargs) for i in inputs]
+
+
+def quantize_layer(run: LayerPass, i: int, inputs, advance=run_layer):
+    """Decoder layer ``i``: statistics, the method's transform, quantized modules, KV scales; returns the
+    next layer's inputs (``advance(layer, inputs, device)``, default ``capture.run_layer``; the inputs
+    unchanged after the last layer or without calibration)."""
+    model, config, report, method, device = run.model, run.config, run.report, run.method, run.device
+    schemes, request, prefix, recipe = run.schemes, run.request, run.prefix, config.ptq_recipe
+    layer = run.layers[i]
+    layer.to(device)
+    linears, experts = run.per_layer[i], run.per_layer_experts[i]
+    stats, alphas, ex_stats = None, {}, None
+    if inputs is not None and (linears or experts):
+        def record():
+            with observe_experts(experts, i, report.calibration_tokens, device, request,
+                                 config.calibrate_all_experts) as ex:
+                st = collect_statistics(layer, i, inputs, linears, request, device, report.calibration_tokens,
+                                        config.calibrate_all_experts)
+            return st, ex
+
+        stats, ex_stats = run.ranks.statistics(record, device)  # reduced over ranks (data-parallel)
+        ctx = LayerContext(layer, i, linears, stats, run.spec, run.act_rule,
+                           {n: schemes[n] for n in [*linears, *experts]}, experts, ex_stats or {},
+                           config.expert_outer_scale)
         with torch.no_grad():
-            _quantize_linears(model, linears, stats, schemes, method, report, alphas, fallback,
-                              config.expert_outer_scale)
-            quantize_experts(model, experts, ex_stats, schemes, method, report.experts, report.warnings, fallback,
-                             config.expert_outer_scale)
-        if recipe.kv_cache is not None and inputs is not None:
-            entries, kv_notes = calibrate_kv(layer, f"{prefix}.{i}", inputs, device, recipe.kv_cache.per_head)
-            report.kv_cache.update(entries)
-            report.warnings.extend(kv_notes)
-        if inputs is not None and i + 1 < len(layers):
-            inputs = run_layer(layer, inputs, device)
-        layer.to(home)
-        for lr in report.linears[-len(linears):] if linears else []:
-            if lr.note:
-                report.warnings.append(f"{lr.name}: {lr.note}")
-    notes = report.warnings[warned:]
+            alphas = method.transform_layer(ctx)
+        for note in ctx.notes:  # e.g. a group the method leaves alone in every MLA layer: said once
+            line = f"{prefix}.*.{note}"
+            if line not in report.warnings:
+                report.warnings.append(line)
+        static = any(schemes[n].static_activations for n in [*linears, *experts])
+        if alphas and (static or method.quantizes_with_statistics):
+            stats, ex_stats = run.ranks.statistics(record, device)
+    fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
+    with torch.no_grad():  # data-parallel: GPTQ's solves spread over the ranks (ptq.distributed)
+        solver = run.ranks.solver(method, model, linears, experts, stats, ex_stats, schemes, config.expert_outer_scale)
+        _quantize_linears(model, linears, stats, schemes, solver, report, alphas, fallback,
+                          config.expert_outer_scale)
+        quantize_experts(model, experts, ex_stats, schemes, solver, report.experts, report.warnings, fallback,
+                         config.expert_outer_scale)
+    if recipe.kv_cache is not None and inputs is not None:
+        entries, kv_notes = calibrate_kv(layer, f"{prefix}.{i}", inputs, device, recipe.kv_cache.per_head,
+                                         reduce=run.ranks.kv_amax)
+        report.kv_cache.update(entries)
+        report.warnings.extend(kv_notes)
+    if inputs is not None and i + 1 < len(run.layers):
+        inputs = advance(layer, inputs, device)
+    layer.to(run.home)
+    for lr in report.linears[-len(linears):] if linears else []:
+        if lr.note:
+            report.warnings.append(f"{lr.name}: {lr.note}")
+    return inputs
+
+
+def finish_pass(run: LayerPass, t0: float) -> PTQReport:
+    """The one warning for the whole model and the time; returns the report."""
+    report = run.report
+    notes = report.warnings[run.warned:]
     if notes:  # one warning for the whole model, each case listed
         warnings.warn(f"{len(notes)} layer(s) need attention (see report.warnings): "
-                      + "; ".join(notes[:4]) + ("; ..." if len(notes) > 4 else ""), RuntimeWarning, stacklevel=2)
+                      + "; ".join(notes[:4]) + ("; ..." if len(notes) > 4 else ""), RuntimeWarning, stacklevel=3)
     report.seconds = time.time() - t0
     return report
 
 
-__all__ = ["LinearReport", "PTQReport", "quantize_model"]
+__all__ = ["LayerPass", "LinearReport", "PTQReport", "finish_pass", "first_inputs", "quantize_layer", "quantize_model",
+           "start_pass"]

@@ -178,7 +178,7 @@ def collect_statistics(layer: nn.Module, index: int, inputs, linears: dict[str, 
                for n, m in linears.items()]
     try:
         with _all_tokens_through_experts(layer, linears, muted) if calibrate_all_experts else nullcontext():
-            run_layer(layer, inputs, device)
+            run_layer(layer, inputs, device, keep_outputs=False)
     finally:
         for h in handles:
             h.remove()

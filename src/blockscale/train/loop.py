@@ -13,7 +13,9 @@ over micro steps and ranks. Checkpoints (every ``ckpt_interval`` steps and at th
 optimizer, the task's config and run record, and what ``task.contents`` says; resume restores them, so
 with batches a pure function of (seed, step, micro step, rank) a resumed run repeats an uninterrupted
 one bit for bit (on CPU; on CUDA where the kernels are deterministic). Under torchrun the model is
-wrapped in DDP and only rank 0 writes files.
+wrapped in DDP and only rank 0 writes files; with ``LoopConfig.fsdp`` it is sharded with FSDP2 instead
+(``train.fsdp``: units, mixed precision, sharded DCP checkpoints ``NAME.dcp`` that resume exactly, the
+model unsharded again at the end and the final ``ckpt_name`` gathered on rank 0).
 """
 from __future__ import annotations
 
@@ -26,9 +28,12 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn as nn
 
+from ..errors import UsageError
 from .checkpoint import CheckpointContents, check_record, restore_optimizer
 from .device import autocast_context
 from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, join_distributed, no_sync, wrap_ddp
+from . import fsdp as fsdp2
+from .expert_parallel import ExpertParallelRun
 from .metrics import append_metrics, plot_run, truncate_metrics
 from .progress import ProgressBar
 from .gradients import clip_gradients
@@ -43,7 +48,11 @@ class LoopConfig:
     config_json: also write out_dir/config.json (the task's config and the world size). plot_name: the
     loss plot in out_dir (None: none), its legend label (None: the folder's name) and title.
     batch_tokens: tokens per micro step and rank (the "tokens" of a metrics row). train_mode: the model's
-    mode while training (False: eval mode, no dropout); its own mode comes back at the end."""
+    mode while training (False: eval mode, no dropout); its own mode comes back at the end.
+    fsdp: shard with FSDP2 (needs torchrun, >= 2 processes) instead of DDP; fsdp_param_dtype: its
+    mixed-precision policy's parameter dtype ("fp32" | "bf16"; gradients are reduced in FP32).
+    expert_parallel: a ``nn.moe_parallel.CommConfig``: shard the MoE experts over the ranks (with DDP for
+    the rest; ``train.expert_parallel``), None: no expert parallelism."""
 
     steps: int
     grad_accum: int = 1
@@ -63,6 +72,9 @@ class LoopConfig:
     progress: bool = True
     batch_tokens: int = 0
     train_mode: bool = True
+    fsdp: bool = False
+    fsdp_param_dtype: str = "fp32"
+    expert_parallel: Optional[object] = None
 
 
 @dataclass(frozen=True)
@@ -177,17 +189,33 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
     metrics_path = out / loop.metrics_name if out else None
     main, contents = info.is_main, task.contents
 
+    ep = ExpertParallelRun(loop.expert_parallel, info) if loop.expert_parallel is not None else None
+    if ep is not None:
+        if loop.fsdp or contents.trainable_only:
+            raise UsageError("expert parallelism runs with DDP and whole-model checkpoints: it cannot be combined "
+                             "with FSDP or a frozen-base task")
+        ep.apply(model)  # before .to(device): the new expert shards move with the model
     model.to(device)
     params = task.trainable(model)
-    state = contents.read(ckpt_path) if resume and ckpt_path.exists() else None
-    note = check_record(state.get("record"), record, ckpt_path, force) if state is not None else None
-    if state is not None:  # before DDP wraps the model (DDP broadcasts rank 0's weights)
-        contents.restore_model(model, state, ckpt_path)
-    ddp_model = wrap_ddp(model, info, device, ignore=contents.ddp_ignored(model) if info.enabled else ())
-    optimizer = task.make_optimizer(model)
+    if loop.fsdp:
+        state, optimizer, params, dcp_path = fsdp2.prepare_fsdp(model, task, loop, info, ckpt_path, resume)
+        note = check_record(state.get("record"), record, dcp_path, force) if state is not None else None
+        ddp_model = model
+    else:
+        dcp_path = None
+        state = contents.read(ckpt_path) if resume and ckpt_path.exists() else None
+        note = check_record(state.get("record"), record, ckpt_path, force) if state is not None else None
+        if state is not None:  # before DDP wraps the model (DDP broadcasts rank 0's weights)
+            contents.restore_model(model, ep.local_model_state(state, ckpt_path) if ep is not None else state,
+                                   ckpt_path)
+        ignore = contents.ddp_ignored(model) + (ep.ddp_ignored() if ep is not None else [])
+        ddp_model = wrap_ddp(model, info, device, ignore=ignore if info.enabled else ())
+        optimizer = task.make_optimizer(model)
     start_step, elapsed0 = 0, 0.0
     if state is not None:
-        restore_optimizer(optimizer, state, ckpt_path)
+        if not loop.fsdp:
+            restore_optimizer(optimizer, ep.local_optimizer_state(state, model, optimizer, ckpt_path)
+                              if ep is not None else state, ckpt_path)
         start_step, elapsed0 = int(state["step"]), float(state.get("elapsed_s", 0.0))
         contents.restore_rng(state, device)
     if main and out is not None:
@@ -202,7 +230,7 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
 
     bar = ProgressBar(loop.progress and main, loop.steps, start_step)
     if main and state is not None:
-        bar.log(_resume_note(state, task, loop, info, ckpt_path, start_step))
+        bar.log(_resume_note(state, task, loop, info, dcp_path if loop.fsdp else ckpt_path, start_step))
         if note:
             bar.log(note)
     elif resume and main:
@@ -237,7 +265,10 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
                         loss, stats = task.loss(ddp_model, step, micro, info, device)
                     (loss.float() / loop.grad_accum).backward()
                 sums = stats.detach() if sums is None else sums + stats.detach()
-            norm = clip_gradients(params, loop.grad_clip)
+            if ep is not None:
+                ep.finish_grads(model)  # experts' gradients / W (DDP averaged the others)
+            norm = fsdp2.clip_sharded(params, loop.grad_clip) if loop.fsdp else \
+                ep.clip(model, params, loop.grad_clip) if ep is not None else clip_gradients(params, loop.grad_clip)
             optimizer.step()
             means = all_reduce_mean(sums / loop.grad_accum, info).tolist()
             step_seconds.append(time.perf_counter() - ts)
@@ -264,10 +295,16 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
                 if line:
                     bar.log(line)
             if out is not None and (last or (loop.ckpt_interval and done % loop.ckpt_interval == 0)):
-                if main:
-                    contents.save(ckpt_path, model, optimizer, done, task.config, world_size=info.world_size,
-                                  elapsed_s=elapsed0 + time.perf_counter() - t0,
-                                  **({"record": record} if record is not None else {}))
+                if loop.fsdp:  # every rank writes its shards
+                    fsdp2.save_sharded(fsdp2.dcp_dir(ckpt_path), model, optimizer, fsdp2.run_meta(
+                        contents, done, task.config, info, elapsed0 + time.perf_counter() - t0, record), info,
+                        contents.trainable_only)
+                elif main or ep is not None:  # expert parallel: every rank sends its experts to the full state
+                    saved_model, saved_opt = ep.gathered(model, optimizer) if ep is not None else (model, optimizer)
+                    if main:
+                        contents.save(ckpt_path, saved_model, saved_opt, done, task.config,
+                                      world_size=info.world_size, elapsed_s=elapsed0 + time.perf_counter() - t0,
+                                      **({"record": record} if record is not None else {}))
                 barrier(info)
             bar.update(**{"loss": f"{train_loss:.4f}", **({"lr": f"{lr:.2e}"} if lr is not None else {})})
     finally:
@@ -277,11 +314,15 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
     if start_step >= loop.steps and loop.eval:  # nothing left to train: just report
         val_loss = task.evaluate(model, info, device, amp, loop.progress and main)
         val_hist.append((loop.steps, val_loss))
+    state_bytes = fsdp2.local_state_bytes(optimizer)
+    if loop.fsdp:  # back to the plain model; the final checkpoint gathered on rank 0 (as without --fsdp)
+        fsdp2.finish_fsdp(model, optimizer, contents, ckpt_path if out is not None and losses else None, info,
+                          {"step": max(loop.steps, start_step), "config": task.config, "world_size": info.world_size,
+                           "elapsed_s": elapsed0 + time.perf_counter() - t0,
+                           **({"record": record} if record is not None else {})})
     plot_path = None
     if main and out is not None and loop.plot_name:
         plot_path = plot_run(out / loop.plot_name, metrics_path, loop.plot_label or out.name or "run", loop.plot_title)
-    state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values()
-                      for v in s.values() if torch.is_tensor(v))
     steps = max(loop.steps, start_step)
     return TrainResult(step=steps, start_step=start_step, final_train_loss=train_loss,
                        final_val_loss=val_hist[-1][1] if val_hist else None, train_losses=losses,

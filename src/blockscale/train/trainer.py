@@ -29,6 +29,7 @@ from .checkpoint import CheckpointContents
 from .token_data import derive_seed
 from .device import autocast_context, resolve_device  # noqa: F401  (blockscale.train.trainer.autocast_context)
 from .distributed import DistInfo, env_world
+from .expert_parallel import comm_record
 from .gradients import clip_gradients, grad_norm  # noqa: F401
 from .loop import LoopConfig, StepReport, TrainResult, run_training
 from .metrics import plot_losses, read_metrics  # noqa: F401
@@ -52,6 +53,9 @@ class TrainConfig:
     skipped without it). A warmup of at least ``steps`` warns once (the LR never reaches ``lr``).
     Every value is checked (``check_train_values``): finite floats (lr > 0, 0 <= min_lr <= lr, betas in
     [0, 1)), integers in range, batch_size * seq_len bounded; anything else is a ValueError naming the field.
+    fsdp: shard the model with FSDP2 per decoder block instead of DDP (under torchrun, >= 2 processes;
+    ``train.fsdp``); fsdp_param_dtype: "fp32" (no casts) or "bf16" (parameters all-gathered in bf16;
+    gradients reduced in FP32).
     """
 
     steps: int = 1000
@@ -74,6 +78,8 @@ class TrainConfig:
     log_interval: int = 10
     progress: bool = True
     plot: bool = True
+    fsdp: bool = False
+    fsdp_param_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.out_dir is not None:
@@ -133,6 +139,10 @@ def check_train_values(values: dict, label: Callable[[str, object], str] = _conf
                     f"{tokens:,} tokens per micro step: at most {MAX_BATCH_TOKENS:,}")
     if values["autocast"] not in ("auto", "bf16", "none"):
         raise error(f"{label('autocast', values['autocast'])}: expected 'auto', 'bf16' or 'none'")
+    if not isinstance(values.get("fsdp", False), bool):
+        raise error(f"{label('fsdp', values['fsdp'])}: expected True or False")
+    if values.get("fsdp_param_dtype", "fp32") not in ("fp32", "bf16"):
+        raise error(f"{label('fsdp_param_dtype', values['fsdp_param_dtype'])}: expected 'fp32' or 'bf16'")
     device = values["device"]
     if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", device):
         raise error(f"{label('device', device)}: expected {DEVICE_NAMES}")
@@ -227,7 +237,8 @@ class PretrainTask:
 
 def train(model: nn.Module, data, cfg: TrainConfig,
           optimizer_factory: Optional[Callable[[nn.Module, TrainConfig], torch.optim.Optimizer]] = None,
-          resume: bool = False, *, record: Optional[dict] = None, force: bool = False) -> TrainResult:
+          resume: bool = False, *, record: Optional[dict] = None, force: bool = False,
+          expert_parallel=None) -> TrainResult:
     """Train ``model`` in place for ``cfg.steps`` optimizer steps; returns a TrainResult.
 
     optimizer_factory(model, cfg) -> optimizer (default ``make_optimizer``); the LR of every param
@@ -239,6 +250,9 @@ def train(model: nn.Module, data, cfg: TrainConfig,
     raises TrainingCheckpointError naming the difference unless ``force`` (one without a record: a note).
     Side effect: reseeds the global torch RNG at every step (see the module docstring). The loop is
     ``loop.run_training`` with a ``PretrainTask``.
+    expert_parallel: a ``nn.moe_parallel.CommConfig``: shard the MoE experts over the torchrun ranks
+    (DDP for the rest, load-balancing loss over the global batch, full-model checkpoints; see
+    ``train.expert_parallel``); recorded in the run record as "expert_parallel".
     """
     _, world, local = env_world()
     device = resolve_device(cfg.device, local, world)
@@ -246,6 +260,9 @@ def train(model: nn.Module, data, cfg: TrainConfig,
                       log_interval=cfg.log_interval, eval=cfg.eval_batches > 0, eval_interval=cfg.eval_interval,
                       ckpt_interval=cfg.ckpt_interval, out_dir=cfg.out_dir, ckpt_name=CKPT_NAME,
                       metrics_name=METRICS_NAME, config_json=True, plot_name="loss.png" if cfg.plot else None,
-                      autocast=cfg.autocast, progress=cfg.progress, batch_tokens=cfg.batch_size * cfg.seq_len)
+                      autocast=cfg.autocast, progress=cfg.progress, batch_tokens=cfg.batch_size * cfg.seq_len,
+                      fsdp=cfg.fsdp, fsdp_param_dtype=cfg.fsdp_param_dtype, expert_parallel=expert_parallel)
+    if expert_parallel is not None:
+        record = {**(record or {}), "expert_parallel": comm_record(expert_parallel)}
     return run_training(model, PretrainTask(data, cfg, optimizer_factory), loop, device, resume=resume,
                         record=record, force=force)

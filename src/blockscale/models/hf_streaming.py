@@ -1,0 +1,214 @@
+"""A transformers causal LM built on the meta device from a local directory of safetensors shards, whose
+tensors are loaded on demand: the embeddings / final norm / head once, each decoder layer only while it
+is processed (streaming PTQ, ``ptq.streaming``).
+
+Loading goes through transformers' own engine, as ``from_pretrained`` does: the model class and its meta
+init context (``get_init_context``), the dtype plan, the checkpoint conversion mapping (Mixtral's per-expert
+``w1`` / ``w3`` / ``w2`` merged into ``gate_up_proj`` / ``down_proj``, renamings) and
+``convert_and_load_state_dict_in_model``, fed only the keys wanted, each read from its memory-mapped shard
+(``safe_open``) and the mapping closed at once (mapped pages count in the RSS while the file is open).
+Non-persistent buffers (RoPE ``inv_freq``) are re-initialised with the model's ``_init_weights``, as
+``from_pretrained`` does. So a loaded tensor equals the one ``models.hf.load_model`` gives, bit for bit.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, UsageError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def shard_files(path: Path) -> dict[str, str]:
+    """{checkpoint key: shard file name} of a local transformers directory of safetensors (UsageError otherwise)."""
+    path = Path(path)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise UsageError(f"{path}: streaming needs a local Hugging Face model directory (config.json and "
+                         f"safetensors shards); got {'a missing path' if not path.exists() else 'no config.json'}")
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path / INDEX}: not a safetensors index ({e})") from None
+        return dict(weight_map)
+    if (path / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path / SINGLE), framework="pt") as f:
+            return {k: SINGLE for k in f.keys()}
+    raise UsageError(f"{path}: streaming needs safetensors weights ({SINGLE} or {INDEX}); found none")
+
+
+class StreamingModel:
+    """``model``: the transformers model on the meta device (eval mode, ``use_cache`` off as ``load_model``
+    sets it); ``load(keys)`` materializes the checkpoint tensors with those names (checkpoint names, e.g.
+    ``model.layers.3.block_sparse_moe.experts.0.w1.weight``); ``layer_keys(path)``: the checkpoint keys
+    landing under module ``path``; ``load_module(path)``: those loaded; ``release(module, keep)``: its
+    tensors back to meta (those for which ``keep(name, t)`` is true stay)."""
+
+    def __init__(self, path, dtype: torch.dtype = torch.float32):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import rename_source_key
+        from transformers.modeling_utils import LoadStateDictConfig, _get_dtype
+        from transformers.models.auto.auto_factory import _get_model_class
+        from transformers.utils.generic import ContextManagers
+
+        self.path = Path(path)
+        self.files = shard_files(self.path)
+        config = AutoConfig.from_pretrained(self.path)
+        cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+        files = sorted({str(self.path / f) for f in self.files.values()})
+        config, dtype = _get_dtype(dtype, files, config, None, None, True, None)
+        config.name_or_path = self.path
+        config = __import__("copy").deepcopy(config)
+        with ContextManagers(cls.get_init_context(dtype, False, False, None)):
+            model = cls(config)
+        self.model = model
+        self.dtype = dtype
+        self._config = LoadStateDictConfig(pretrained_model_name_or_path=str(self.path), dtype=dtype,
+                                           dtype_plan=model._get_dtype_plan(dtype),
+                                           weight_mapping=get_model_conversion_mapping(model, None, None))
+        mapping = self._config.weight_mapping or []
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        renamings = [e for e in mapping if isinstance(e, WeightRenaming)]
+        converters = [e for e in mapping if isinstance(e, WeightConverter)]
+        meta = model.state_dict()
+        self.target: dict[str, str] = {}  # checkpoint key -> model key
+        for k in self.files:
+            t, _ = rename_source_key(k, renamings, converters, model.base_model_prefix, meta)
+            if t not in meta and k in meta:
+                t = k
+            self.target[k] = t
+        self._open: dict[str, object] = {}
+        self.bytes_read = 0
+
+    # -- reading -----------------------------------------------------------------------------------
+    def _slice(self, key: str):
+        from safetensors import safe_open
+
+        fname = self.files[key]
+        f = self._open.get(fname)
+        if f is None:
+            f = self._open[fname] = safe_open(str(self.path / fname), framework="pt", device="cpu")
+        return f.get_slice(key)
+
+    def _read(self, key: str) -> torch.Tensor:
+        """One tensor copied out of its memory-mapped shard, the mapping closed at once (its pages would
+        otherwise count in the RSS until the file is closed)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.path / self.files[key]), framework="pt", device="cpu") as f:
+            return f.get_tensor(key)
+
+    def layer_keys(self, path: str) -> list[str]:
+        return [k for k, t in self.target.items() if t.startswith(path + ".")]
+
+    def load(self, keys: Iterable[str]) -> None:
+        """Materialize the checkpoint tensors ``keys`` (and every non-persistent buffer of the modules they
+        land in, initialised as ``from_pretrained`` does) in the model."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+        keys = list(keys)
+        self.bytes_read += sum(self._nbytes(k) for k in keys)
+        self._open.clear()
+        state = {k: self._read(k) for k in keys}
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            info, _ = convert_and_load_state_dict_in_model(self.model, state, self._config)
+        finally:
+            del state
+            self._open.clear()  # unmap the shards: their pages would stay resident (and in the RSS) while mapped
+            if bars:
+                hf_logging.enable_progress_bar()
+        if info.unexpected_keys or info.mismatched_keys or info.conversion_errors or info.error_msgs:
+            raise CheckpointError(f"{self.path}: could not load {len(keys)} tensor(s) into "
+                                  f"{type(self.model).__name__}: unexpected {sorted(info.unexpected_keys)[:3]}, "
+                                  f"mismatched {sorted(info.mismatched_keys)[:3]}, "
+                                  f"{list(info.conversion_errors.values())[:1] or info.error_msgs[:1]}")
+
+    def _nbytes(self, key: str) -> int:
+        s = self._slice(key)
+        n = 1
+        for d in s.get_shape():
+            n *= d
+        return n * {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1,
+                    "F8_E4M3": 1, "F8_E5M2": 1}.get(s.get_dtype(), 4)
+
+    def init_buffers(self, root: str = "") -> None:
+        """Non-persistent buffers under module ``root`` ("" = outside every meta module already) made real
+        and initialised by the model's ``_init_weights`` (RoPE ``inv_freq``), as ``from_pretrained`` does."""
+        model = self.model
+        owners = {}
+        for name, buf in list(model.named_buffers()):
+            mod_name, _, leaf = name.rpartition(".")
+            if buf.device.type != "meta" or (root and not name.startswith(root + ".")):
+                continue
+            mod = model.get_submodule(mod_name)
+            if leaf in mod._non_persistent_buffers_set:
+                mod._buffers[leaf] = torch.empty_like(buf, device="cpu")
+                owners[mod_name] = mod
+        for mod in owners.values():
+            model._init_weights(mod)
+
+    def load_module(self, path: str) -> None:
+        keys = self.layer_keys(path)
+        if not keys:
+            raise CheckpointError(f"{self.path}: no tensor of the checkpoint belongs to {path}")
+        self.load(keys)
+        self.init_buffers(path)
+        missing = [n for n, t in self.model.get_submodule(path).state_dict().items() if t.device.type == "meta"]
+        if missing:
+            raise CheckpointError(f"{self.path}: the checkpoint has no tensor for {path}.{missing[0]} "
+                                  f"({len(missing)} missing)")
+
+    def load_outside(self, layers_path: str) -> None:
+        """Everything outside the decoder layers (embeddings, final norm, head), tied weights tied."""
+        self.load([k for k, t in self.target.items() if not t.startswith(layers_path + ".")])
+        self.model.tie_weights()
+        self.init_buffers()
+        for name, t in self.model.state_dict().items():
+            if t.device.type == "meta" and not name.startswith(layers_path + "."):
+                raise CheckpointError(f"{self.path}: the checkpoint has no tensor for {name}")
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def release(module: nn.Module, keep: Optional[Callable[[str, torch.Tensor], bool]] = None) -> None:
+    """Every parameter and buffer of ``module`` replaced by a meta tensor of its shape and dtype, except
+    those ``keep(name, tensor)`` keeps."""
+    for mname, m in module.named_modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in list(store.items()):
+                if t is None or t.device.type == "meta":
+                    continue
+                full = f"{mname}.{name}" if mname else name
+                if keep is not None and keep(full, t):
+                    continue
+                empty = torch.empty_like(t, device="meta")
+                store[name] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                    else empty
+
+
+def real_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers that are not on the meta device (each tensor once)."""
+    seen, n = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type != "meta" and id(t) not in seen:
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+    return n
+
+
+__all__ = ["StreamingModel", "real_bytes", "release", "shard_files"]

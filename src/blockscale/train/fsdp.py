@@ -1,0 +1,318 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the one training loop: sharding per decoder block,
+mixed-precision policies, sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), and the
+way back to a plain model at the end of a run.
+
+    shard_model(model, param_dtype="bf16", fp32_units=learners)   # units: learners, blocks, root
+    ... train ...
+    save_sharded(run / "ckpt.dcp", model, optimizer, meta, info)  # every rank writes its shards
+    unshard_model(model)                                           # plain full tensors on every rank again
+
+Units (innermost first): each module of ``fp32_units`` (the LSQ learners: latent weight + block amaxes)
+with an FP32 policy whatever ``param_dtype`` says, then every child of the outermost ``nn.ModuleList``s (the
+decoder blocks), then the root; each with ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``
+("fp32": no casts at all). FSDP2 shards every parameter along dim 0 (padding the last rank when the rows
+do not divide); buffers (packed FP4 codes, E4M3 scales, outer scales) stay whole on every rank. In
+forward a unit's parameters are all-gathered, so whatever runs inside (a recipe's quantizer, the LSQ
+fake-quantizer) sees the full tensor, e.g. the NVFP4 outer scale comes from the full weight's amax.
+
+Sharded checkpoints (``save_sharded`` / ``load_sharded``): a directory ``NAME.dcp`` written as
+``NAME.dcp.tmp`` by ``dcp.save`` (each rank its shards) plus ``meta.pt`` (step, config, RNG, ... by rank
+0), then renamed into place by rank 0 after a barrier: it appears only when complete.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import UsageError
+from .checkpoint import TrainingCheckpointError, load_weights_only, save_atomic
+from .distributed import DistInfo, barrier
+
+FSDP_PARAM_DTYPES = ("fp32", "bf16")
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: FSDP keeps the parameters' own dtype (no casts)
+META_NAME = "meta.pt"
+
+
+def check_fsdp_options(fsdp, param_dtype, owner: str = "config") -> None:
+    """UsageError naming the field unless ``fsdp`` is a bool and ``param_dtype`` one of FSDP_PARAM_DTYPES."""
+    if not isinstance(fsdp, bool):
+        raise UsageError(f"{owner}.fsdp={fsdp!r}: expected True or False")
+    if param_dtype not in FSDP_PARAM_DTYPES:
+        raise UsageError(f"{owner}.fsdp_param_dtype={param_dtype!r}; allowed values: "
+                         f"{', '.join(map(repr, FSDP_PARAM_DTYPES))}")
+
+
+def require_distributed(info: DistInfo, what: str = "--fsdp") -> None:
+    """FSDP shards over ranks: one process has nothing to shard over, so refuse instead of silently
+    running unsharded."""
+    if not info.enabled:
+        raise UsageError(f"{what} needs a torchrun job with at least 2 processes (e.g. torchrun --nproc_per_node 2 "
+                         "-m blockscale.cli ...); without torchrun drop --fsdp")
+
+
+def block_modules(model: nn.Module) -> list[nn.Module]:
+    """The children of every outermost ``nn.ModuleList`` of ``model`` (the decoder blocks: ``layers``;
+    expert lists nested inside a block stay in their block)."""
+    blocks, inside = [], set()
+    for _, m in model.named_modules():
+        if id(m) in inside:
+            continue
+        if isinstance(m, nn.ModuleList):
+            blocks.extend(m)
+            inside.update(id(s) for s in m.modules())
+    return blocks
+
+
+def _policy(param_dtype: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=torch.float32)
+
+
+def shard_model(model: nn.Module, param_dtype: str = "fp32", fp32_units: Iterable[nn.Module] = ()) -> nn.Module:
+    """``fully_shard`` ``model`` in place (a process group must be initialized): each of ``fp32_units``
+    (FP32 policy), each decoder block (``block_modules``), then the root; returns ``model``."""
+    from torch.distributed.fsdp import fully_shard
+
+    if param_dtype not in FSDP_PARAM_DTYPES:
+        raise UsageError(f"fsdp_param_dtype={param_dtype!r}; allowed values: {', '.join(FSDP_PARAM_DTYPES)}")
+    for unit in fp32_units:
+        fully_shard(unit, mp_policy=_policy("fp32"))
+    policy = _policy(param_dtype)
+    for block in block_modules(model):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def unshard_model(model: nn.Module) -> nn.Module:
+    """Undo ``shard_model`` (collective: every rank calls it): every sharded parameter is replaced by a
+    plain ``nn.Parameter`` holding the full tensor (``DTensor.full_tensor``; tied parameters stay tied,
+    requires_grad kept), FSDP's hooks are removed and each module gets its own class back, so the model
+    is the plain module it was (what freeze / export / evaluation after a run need)."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        return model
+    for m in units:
+        m.reshard()
+    full: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for m in model.modules():
+            for name, p in list(m._parameters.items()):
+                if isinstance(p, DTensor):
+                    if id(p) not in full:
+                        full[id(p)] = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+                    m._parameters[name] = full[id(p)]
+    for m in units:
+        state = m._get_fsdp_state()
+        for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
+            handle.remove()
+        for group in state._fsdp_param_groups:
+            for handles in (group._module_to_pre_save_state_dict_hook_handle,
+                            group._module_to_pre_load_state_dict_hook_handle):
+                for h in handles.values():
+                    h.remove()
+        m.__class__ = next(c for c in type(m).__mro__[1:] if not issubclass(c, FSDPModule))
+        for key in (STATE_KEY, REGISTRY_KEY):
+            m.__dict__.pop(key, None)
+    for m in model.modules():
+        for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            m.__dict__.pop(attr, None)
+    return model
+
+
+# ----------------------------------------------------------------------------- sharded checkpoints
+
+def dcp_dir(ckpt_path: Path) -> Path:
+    """The sharded checkpoint directory of a run's ``ckpt_path`` (``ckpt.pt`` -> ``ckpt.dcp``)."""
+    return ckpt_path.with_name(ckpt_path.stem + ".dcp")
+
+
+def _state(model: nn.Module, optimizer, trainable_only: bool) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    if trainable_only:
+        keep = {n for n, p in model.named_parameters() if p.requires_grad}
+        msd = {k: v for k, v in msd.items() if k in keep}
+    return {"model": msd, "optimizer": osd}
+
+
+def save_sharded(path: Path, model: nn.Module, optimizer, meta: dict, info: DistInfo,
+                 trainable_only: bool = False) -> Path:
+    """Write the sharded checkpoint directory ``path`` atomically (collective): ``dcp.save`` of the model
+    (``trainable_only``: the parameters with requires_grad only) and optimizer state into ``path.tmp``,
+    rank 0's ``meta`` as ``meta.pt``, then rank 0 swaps it into place (an older ``path`` is replaced only
+    once the new one is complete)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(info)
+    dcp.save(_state(model, optimizer, trainable_only), checkpoint_id=str(tmp))
+    if info.is_main:
+        save_atomic(tmp / META_NAME, meta)
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier(info)
+    return path
+
+
+def read_sharded_meta(path: Path) -> dict:
+    """``meta.pt`` of a sharded checkpoint directory (``load_weights_only``: TrainingCheckpointError when bad)."""
+    meta = Path(path) / META_NAME
+    if not meta.is_file():
+        raise TrainingCheckpointError(f"{path} is not a complete sharded checkpoint (no {META_NAME})")
+    return load_weights_only(meta)
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer, trainable_only: bool = False) -> None:
+    """Load a ``save_sharded`` directory into the sharded ``model`` and its ``optimizer`` in place
+    (collective); TrainingCheckpointError when it does not fit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = _state(model, optimizer, trainable_only)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=not trainable_only))
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise TrainingCheckpointError(f"sharded checkpoint {path} does not fit this model / optimizer: "
+                                      f"{str(exc)[:400]}") from exc
+
+
+def run_meta(contents, step: int, config: dict, info: DistInfo, elapsed_s: float, record: Optional[dict]) -> dict:
+    """``meta.pt`` of a sharded checkpoint: what a ``torch.save`` checkpoint holds besides the tensors
+    (step, config, world size, elapsed time, run record and, for whole-model contents, the torch RNG)."""
+    meta = {"format": contents.format, "step": int(step), "config": config, "world_size": info.world_size,
+            "elapsed_s": float(elapsed_s), "sharded": True}
+    if not contents.trainable_only:
+        meta["rng"] = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            meta["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+    if record is not None:
+        meta["record"] = record
+    return meta
+
+
+def prepare_fsdp(model: nn.Module, task, loop, info: DistInfo, ckpt_path: Optional[Path], resume: bool):
+    """The loop's FSDP set-up: shard ``model`` (``task.fsdp_units(model)``, if the task has it, get their
+    own FP32 units), the optimizer over the sharded parameters and, with ``resume``, the sharded
+    checkpoint loaded into both. Returns (meta or None, optimizer, trainable params, checkpoint dir)."""
+    require_distributed(info)
+    units = task.fsdp_units(model) if hasattr(task, "fsdp_units") else []
+    shard_model(model, loop.fsdp_param_dtype, units)
+    params = task.trainable(model)  # the sharded parameters now
+    optimizer = task.make_optimizer(model)
+    path = dcp_dir(ckpt_path) if ckpt_path is not None else None
+    meta = None
+    if resume and path.exists():
+        meta = read_sharded_meta(path)
+        if not isinstance(meta, dict) or meta.get("format") != task.contents.format or "step" not in meta:
+            raise TrainingCheckpointError(f"{path} is not a sharded {task.contents.format} checkpoint")
+        load_sharded(path, model, optimizer, task.contents.trainable_only)
+    elif resume and ckpt_path.exists():
+        raise TrainingCheckpointError(f"{ckpt_path} was written without --fsdp (there is no sharded checkpoint "
+                                      f"{path.name}): resume it without --fsdp, or start a new run in another directory")
+    return meta, optimizer, params, path
+
+
+def clip_sharded(params, max_norm: float) -> torch.Tensor:
+    """``clip_gradients`` for FSDP-sharded gradients (DTensors): the global L2 norm from the local shards'
+    squares summed over ranks, and torch's clip_grad_norm_ rule (scale by min(1, max_norm / (norm +
+    1e-6))); 0 disables clipping. Returns the norm before clipping (a plain tensor, the same on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(not isinstance(g, DTensor) for g in grads):
+        raise RuntimeError("clip_sharded: a trainable parameter is not sharded by FSDP")
+    local = [g.to_local() for g in grads]
+    device = local[0].device if local else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in local:
+        sq += g.detach().float().pow(2).sum()
+    dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in local:
+            g.detach().mul_(coef.to(g.dtype))
+    return norm
+
+
+def local_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's tensors held by this process (a sharded state counts its local shard)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        DTensor = ()
+    total = 0
+    for s in optimizer.state.values():
+        for v in s.values():
+            v = v.to_local() if isinstance(v, DTensor) else v
+            if torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def plain_optimizer_state(full: dict, optimizer, model: nn.Module) -> dict:
+    """The full FQN-keyed optimizer state dict of ``get_optimizer_state_dict(full_state_dict=True)`` in
+    torch's own layout (parameters numbered in param-group order), as ``optimizer.state_dict()`` of an
+    unsharded run holds it (what ``restore_optimizer`` and a run without --fsdp resume from)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    index, groups = {}, []
+    for group, saved in zip(optimizer.param_groups, full["param_groups"]):
+        ids = []
+        for p in group["params"]:
+            index[names[id(p)]] = len(index)
+            ids.append(index[names[id(p)]])
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    return {"state": {index[n]: s for n, s in full["state"].items()}, "param_groups": groups}
+
+
+class _SavedOptimizer:
+    def __init__(self, state: dict):
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+def finish_fsdp(model: nn.Module, optimizer, contents, ckpt_path: Optional[Path], info: DistInfo, fields: dict) -> None:
+    """End of an FSDP run (collective): ``unshard_model`` and, if ``ckpt_path``, the final checkpoint as a
+    run without --fsdp writes it (whole model / trainable tensors and the optimizer, gathered on rank 0,
+    ``contents.save``); ``fields``: step, config and the extra keys."""
+    osd = None
+    if ckpt_path is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+        if info.is_main:
+            osd = plain_optimizer_state(full, optimizer, model)
+    unshard_model(model)
+    if ckpt_path is not None and info.is_main:
+        fields = dict(fields)
+        contents.save(ckpt_path, model, _SavedOptimizer(osd), fields.pop("step"), fields.pop("config"), **fields)
+    barrier(info)
+
+
+__all__ = ["FSDP_PARAM_DTYPES", "block_modules", "check_fsdp_options", "clip_sharded", "dcp_dir", "finish_fsdp",
+           "load_sharded", "local_state_bytes", "plain_optimizer_state", "prepare_fsdp", "read_sharded_meta",
+           "require_distributed", "run_meta", "save_sharded", "shard_model", "unshard_model"]
