@@ -192,7 +192,7 @@ def _child(src, out, method, env=None):
                             stderr=subprocess.PIPE, text=True, env=e, cwd=ROOT)
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow)])  # 1 in make test
 def test_kill_after_layer_and_resume(models, tmp_path, k):
     src, cfg = models["llama"], _cfg("gptq")
     ref = _in_memory(src, tmp_path / "ref", cfg, "compressed-tensors")
