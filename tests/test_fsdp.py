@@ -147,6 +147,10 @@ def _train_runs(base, out):
     out["resumed"], out["resumed_start"] = res.train_losses, res.start_step
     out["bf16"] = train(tiny_llama_lm(), synthetic_data(), TrainConfig(
         out_dir=None, fsdp=True, fsdp_param_dtype="bf16", **{**cfg, "ckpt_interval": 0})).train_losses
+    plain = tiny_llama_lm(recipe=False)  # no recipe: 2 ranks x batch 2 must equal one process x batch 4
+    out["fsdp_plain"] = train(plain, synthetic_data(), TrainConfig(
+        out_dir=None, fsdp=True, **{**cfg, "ckpt_interval": 0})).train_losses
+    out["fsdp_plain_params"] = {n: p.detach().clone() for n, p in plain.named_parameters()}
 
 
 def _lsq_runs(base, out):
@@ -284,6 +288,22 @@ def test_train_fsdp_bf16_policy(runs):
     _, out = runs
     assert out["bf16"] != out["fsdp"]
     assert out["bf16"] == pytest.approx(out["fsdp"], rel=2e-2)
+
+
+def test_train_fsdp_matches_single_process_on_the_combined_batch(runs):
+    """Without a recipe (FP32 GEMMs): FSDP2 over 2 ranks x batch 2 == one process x batch 4 (the same rows,
+    train's sampler): losses to 1e-6; parameters to atol 1e-5 (an Adam step at lr 1e-2 moves an element by
+    up to 1e-2; the reduce-scatter sums the two ranks' gradients in another order than one backward, and
+    Adam's g / sqrt(v) turns that rounding of a near-zero gradient into up to 3e-6, measured)."""
+    _, out = runs
+    single = tiny_llama_lm(recipe=False)
+    res = train(single, synthetic_data(), TrainConfig(out_dir=None, **{**TRAIN_CFG, "batch_size": 4,
+                                                                        "ckpt_interval": 0}))
+    assert out["fsdp_plain"] == pytest.approx(res.train_losses, rel=1e-6)
+    ref = dict(single.named_parameters())
+    assert set(out["fsdp_plain_params"]) == set(ref)
+    for k, v in out["fsdp_plain_params"].items():
+        torch.testing.assert_close(v, ref[k].detach(), rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_learn_scales_fsdp_matches_single_process(lsq_runs):
