@@ -1,6 +1,7 @@
 """Issue 13 (new-user experience) on the command line: built-in models quantize with no extra flag,
 one line per condition (no Python source lines), kernel compiles announced once, defaults the tool
 agrees with, and --help texts that show every choice and default."""
+import copy
 import json
 
 import pytest
@@ -77,26 +78,35 @@ def test_evaluation_has_its_own_progress_bar(tmp_path, capsys):
 # ----------------------------------------------------------------------------- defaults the tool agrees with
 
 def test_learn_scales_default_lr_moves_scales_on_stories260k():
-    """The stories260K RTN model's median block amax is 0.2399: at the default --lr-scales 3e-3 a block
-    scale can move by one E4M3 step after 0.0625 * 0.2399 / 3e-3 = 5.0 steps, far under --steps 100, so
-    the hint stays quiet (at the old default 1e-4: 150 steps > 100, it fires)."""
+    """The default units are log amaxes (--param log): Adam moves each log amax by about --lr-scales per step,
+    so at the default 1e-2 a block scale can move by one E4M3 step (a relative change of 1/16) after
+    ln(1 + 1/16) / 1e-2 = 6.1 steps on every model, far under --steps 100: the hint stays quiet. In the
+    write-up's raw units (--param amax) the stories260K RTN model's median block amax 0.2399 gives
+    0.0625 * 0.2399 / 3e-3 = 5.0 steps at that default, and 150 steps (> 100: the hint fires) at 1e-4."""
+    import math
+
     from blockscale import lsq
-    from blockscale.cli.learn_scales import DEFAULT_LR_SCALES, scales_stuck
+    from blockscale.cli.learn_scales import DEFAULT_LR_SCALES, DEFAULT_LR_SCALES_LOG, default_lr_scales, scales_stuck
     from blockscale.models.hf import load_model
     from blockscale.ptq import PTQConfig
     from blockscale.ptq.quantize_model import quantize_model
 
     args = cli.build_parser().parse_args(["learn-scales", "stories260k", "--out", "x"])
-    assert args.lr_scales == DEFAULT_LR_SCALES == 3e-3 and args.steps == 100
+    assert args.lr_scales is None and args.param == "log" and args.lr_schedule == "cosine" and args.steps == 100
+    assert default_lr_scales("log") == DEFAULT_LR_SCALES_LOG == 1e-2 and default_lr_scales("amax") == DEFAULT_LR_SCALES == 3e-3
     lm = load_model("stories260k")
     with pytest.warns(RuntimeWarning, match="not a multiple of 16"):
         quantize_model(lm.model, PTQConfig(skip_indivisible=True), progress=False)
-    lsq.enable(lm.model, mode="tied", init="stored")
-    med, n = lsq.steps_per_scale_step(lm.model, DEFAULT_LR_SCALES)
+    raw = copy.deepcopy(lm.model)
+    lsq.enable(lm.model, mode="tied", init="stored", param="log")
+    med, n = lsq.steps_per_scale_step(lm.model, DEFAULT_LR_SCALES_LOG)
+    assert n == pytest.approx(math.log1p(1 / 16) / 1e-2) and not scales_stuck(n, args.steps)
+    lsq.enable(raw, mode="tied", init="stored", param="amax")
+    med, n = lsq.steps_per_scale_step(raw, DEFAULT_LR_SCALES)
     assert med == pytest.approx(MEDIAN_AMAX_STORIES, rel=1e-3)
     assert n == pytest.approx(5.0, abs=0.05) and not scales_stuck(n, args.steps)
-    assert lsq.steps_per_scale_step(lm.model, 1e-4)[1] == pytest.approx(150, abs=1)
-    assert scales_stuck(lsq.steps_per_scale_step(lm.model, 1e-4)[1], args.steps)
+    assert lsq.steps_per_scale_step(raw, 1e-4)[1] == pytest.approx(150, abs=1)
+    assert scales_stuck(lsq.steps_per_scale_step(raw, 1e-4)[1], args.steps)
 
 
 MEDIAN_AMAX_STORIES = 0.2399
@@ -107,8 +117,8 @@ def test_learn_scales_report_without_eval_has_no_perplexity(tmp_path, capsys):
     assert cli.main(["learn-scales", "stories260k", "--steps", "1", "--n-samples", "4", "--seq-len", "32",
                      "--batch-size", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr()
-    # default --lr-scales 3e-3: ~5 steps per scale step, more than this run's --steps 1, so the hint fires
-    assert "at --lr-scales 0.003" in printed.out and "needs ~5 steps" in printed.out
+    # default --lr-scales 1e-2 in log units: ~6 steps per scale step, more than this run's --steps 1: the hint fires
+    assert "--lr-scales 0.01 (Adam moves each log amax" in printed.out and "needs ~6 steps" in printed.out
     assert "consider a larger --lr-scales" in printed.out
     assert "not a multiple of 16" in printed.err  # built-in: skipped by default, one line
     report = json.loads((out / "lsq_report.json").read_text())

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockscale.ptq import AWQOptions, PTQConfig, quantize_model
+from blockscale.ptq import AWQOptions, GPTQOptions, PTQConfig, quantize_model
 from blockscale.recipes import get_ptq_recipe
 
 transformers = pytest.importorskip("transformers")
@@ -45,6 +45,10 @@ CASES = {
     "moe-mixed-kv": ("mixtral", dict(recipe="nvfp4-experts-fp8-attention"), 5),
     "gptq-w4a16": ("llama", dict(method="gptq"), 8),
     "moe-gptq": ("qwen3_moe", dict(method="gptq"), 8),
+    # AWQ auto-clip (its solves spread over the ranks) and GPTQ true-sequential with rank 0 without a batch
+    "awq-clip-w4a4": ("llama", dict(method="awq", activations="w4a4", options=AWQOptions(grid=5, max_tokens=40,
+                                                                                          clip=True)), 8),
+    "gptq-true-sequential-one-batch": ("llama", dict(method="gptq", options=GPTQOptions(true_sequential=True)), 2),
 }
 EXACT = [c for c in CASES if "gptq" not in c]
 
@@ -212,7 +216,7 @@ def test_moe_per_expert_token_counts_equal_one_process(ranks, single, case):
 GPTQ_MAX_CHANGED = 0.01
 
 
-@pytest.mark.parametrize("case", ["gptq-w4a16", "moe-gptq"])
+@pytest.mark.parametrize("case", ["gptq-w4a16", "moe-gptq", "gptq-true-sequential-one-batch"])
 def test_gptq_within_tolerance_of_one_process(ranks, single, case):
     got, ref = ranks[0][case], single[case]
     assert got["state"].keys() == ref["state"].keys()

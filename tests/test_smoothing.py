@@ -206,8 +206,12 @@ def test_find_groups_rejects_gemma_norm_and_unknown_layers():
                  num_key_value_heads=4, vocab_size=64, head_dim=16)
     gemma = GemmaForCausalLM(GemmaConfig(**small)).model.layers[0]
     w0 = gemma.input_layernorm.weight.detach().clone()
+    # GemmaDecoderLayer itself is a family of the table (its norms fold as (1 + w) / s - 1:
+    # tests/test_smoothing_families.py); a Llama layer holding Gemma's norm is refused by the probe
+    llama = _hf_model("llama", 4).model.layers[0]
+    llama.input_layernorm = gemma.input_layernorm
     with pytest.raises(NotImplementedError, match="GemmaRMSNorm.*1 \\+ weight"):
-        find_smoothing_groups(gemma)
+        find_smoothing_groups(llama)
     assert torch.equal(gemma.input_layernorm.weight, w0)  # the probe restored the weight
     # a hand-built group with that norm is refused too, before anything is modified
     q0 = gemma.self_attn.q_proj.weight.detach().clone()

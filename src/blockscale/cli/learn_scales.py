@@ -18,7 +18,22 @@ from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoin
 from .quantize import quantize_reported, skip_indivisible
 from ..errors import UsageError
 
-DEFAULT_LR_SCALES = 3e-3  # docs/results/scale-learning.md
+DEFAULT_LR_SCALES = 3e-3  # --param amax: docs/results/scale-learning.md
+DEFAULT_LR_SCALES_LOG = 1e-2  # --param log (the default): docs/results/recovery.md
+DEFAULT_PARAM = "log"
+DEFAULT_SCHEDULE = "cosine"
+DEFAULT_LR_PRE_FACTOR = 0.0  # --mode dual: the pre amaxes (codes) stay at the PTQ scales (docs/lsq.md "Dual scales")
+INIT_METHODS = ("rtn", "awq", "smoothquant", "gptq")
+
+
+def default_lr_scales(param: str) -> float:
+    """--lr-scales when not given: per parameterisation (a raw-amax lr and a log-amax lr are different units)."""
+    return DEFAULT_LR_SCALES_LOG if param == "log" else DEFAULT_LR_SCALES
+
+
+def default_warmup(steps: int) -> int:
+    """--warmup-steps when not given: a tenth of the run (0 below 10 steps)."""
+    return steps // 10
 
 
 def scales_stuck(steps_per_scale_step: float, steps: int) -> bool:
@@ -74,11 +89,11 @@ def _init_recipe(args, is_ckpt: bool):
     schemes); None without --recipe. A checkpoint input was quantized already: --recipe / --scale-rule /
     --w4a4 are usage errors there."""
     if is_ckpt:
-        given = [f for f, v in (("--recipe", args.recipe), ("--scale-rule", args.scale_rule), ("--w4a4", args.w4a4))
-                 if v]
+        given = [f for f, v in (("--recipe", args.recipe), ("--scale-rule", args.scale_rule), ("--w4a4", args.w4a4),
+                                ("--method", args.method)) if v]
         if given:
             raise UsageError(f"{', '.join(given)}: the input {args.model} is a quantized checkpoint already; these "
-                             "flags choose the RTN initialisation of a model name")
+                             "flags choose the PTQ initialisation of a model name")
         return None
     if args.recipe is None:
         return None
@@ -86,6 +101,19 @@ def _init_recipe(args, is_ckpt: bool):
         raise UsageError("--w4a4 cannot be combined with --recipe: the recipe sets each scheme's activations")
     recipe = resolve_ptq_recipe(args.recipe)
     return recipe.with_nvfp4(scale_rule=args.scale_rule) if args.scale_rule else recipe
+
+
+def _check_schedule_flags(args) -> None:
+    """Combinations of the schedule / dual / input-scale flags, before anything is loaded."""
+    if args.warmup_steps is not None and args.warmup_steps and args.warmup_steps >= args.steps:
+        raise UsageError(f"--warmup-steps {args.warmup_steps}: must be fewer than --steps {args.steps}")
+    if (args.lr_pre_factor is not None or args.freeze_pre_steps) and not (args.mode == "dual"
+                                                                          and args.dual_form == "pair"):
+        raise UsageError("--lr-pre-factor / --freeze-pre-steps: only with --mode dual --dual-form pair (the pre amaxes "
+                         "that set the codes' grid)")
+    if args.learn_input_scales and not Path(args.model).is_dir() and not args.w4a4 and not args.recipe:
+        raise UsageError("--learn-input-scales learns W4A4 activation scales: add --w4a4 (or a W4A4 --recipe / "
+                         "checkpoint)")
 
 
 def cmd_learn_scales(args) -> int:
@@ -103,6 +131,7 @@ def cmd_learn_scales(args) -> int:
     if getattr(args, "fsdp", False) and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         raise UsageError("--fsdp needs a torchrun job with at least 2 processes (torchrun --nproc_per_node 2 -m "
                          "blockscale.cli learn-scales ...); without torchrun drop --fsdp")
+    _check_schedule_flags(args)
     device = _rank_device(check_device(args.device))
     check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="training tokens")
     check_product(("--batch-size", args.batch_size), ("--seq-len", args.seq_len), what="tokens per micro step")
@@ -126,35 +155,63 @@ def cmd_learn_scales(args) -> int:
         student_lm.model = copy.deepcopy(teacher_lm.model)
         flat = {} if recipe is not None else dict(scale_rule=args.scale_rule or "6",
                                                   activations="w4a4" if args.w4a4 else "w4a16")
-        cfg = PTQConfig(method="rtn", recipe=recipe, **flat,
+        cfg = PTQConfig(method=args.method or "rtn", recipe=recipe, **flat,
                         skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
                         n_samples=args.n_samples, seq_len=args.seq_len)
+        latent = {}
         ptq_report = quantize_reported("blockscale learn-scales", lambda: calibrate_and_quantize(
             student_lm.model, teacher_lm.tokenizer, cfg, defaults.calib, defaults.calib_bos,
-            progress=show_progress()), defaulted=args.skip_indivisible is None).to_dict()
-        weights = teacher_lm.model  # RTN of these weights: the step-0 model equals the PTQ model
+            progress=show_progress(), latent_weights=latent), defaulted=args.skip_indivisible is None).to_dict()
+        # the full-precision weights PTQ rounded (after AWQ / SmoothQuant folding) where they reproduce its codes
+        # (RTN-like methods), else the dequantized ones (GPTQ): the step-0 model equals the PTQ model either way
+        weights, dequantized = lsq.exact_latent_weights(student_lm.model, latent)
+        if dequantized:
+            print(f"latent weights: {len(weights) - len(dequantized)} of {len(weights)} Linears start from the "
+                  f"full-precision weights PTQ rounded, {len(dequantized)} from their dequantized weights "
+                  f"({cfg.method}'s codes are not a rounding of one weight)", flush=True)
     if teacher_lm.tokenizer is None:
         raise UsageError(f"learn-scales trains on text, but {teacher_name} has no tokenizer (save one next to the "
                          "weights)")
-    lsq.enable(student_lm.model, mode=args.mode, init="stored", weights=weights)
+    try:
+        lsq.enable(student_lm.model, mode=args.mode, init="stored", weights=weights, param=args.param,
+                   dual_form=args.dual_form, learn_input_scales=args.learn_input_scales)
+    except ValueError as err:
+        if not args.learn_input_scales:
+            raise
+        raise UsageError(f"--learn-input-scales: {err}") from None
+    lr_scales = args.lr_scales if args.lr_scales is not None else default_lr_scales(args.param)
+    warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup(args.steps)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 evaluates and writes
-    med, n_steps = lsq.steps_per_scale_step(student_lm.model, args.lr_scales)
+    med, n_steps = lsq.steps_per_scale_step(student_lm.model, lr_scales)
     if main_rank:
-        print(f"median block amax {med:.3g}: at --lr-scales {args.lr_scales:g} (Adam moves an amax by about that "
-              f"much per step) a typical block scale needs ~{n_steps:.0f} steps to move by one E4M3 step"
-              + ("; consider a larger --lr-scales (docs/lsq.md)" if scales_stuck(n_steps, args.steps) else ""),
-              flush=True)
+        units = ("(Adam moves each log amax by about that much per step: a relative step, the same on every model)"
+                 if args.param == "log" else
+                 f"(median block amax {med:.3g}; Adam moves an amax by about that much per step)")
+        print(f"--lr-scales {lr_scales:g} {units}: a typical block scale needs ~{n_steps:.0f} steps to move by one "
+              "E4M3 step" + ("; consider a larger --lr-scales (docs/lsq.md)" if scales_stuck(n_steps, args.steps)
+                             else ""), flush=True)
     tokens = calibration_batches(teacher_lm.tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
                                  seed=args.seed, bos=defaults.calib_bos)
-    dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=args.lr_scales, lr_weights=args.lr_weights,
+    dual_pair = args.mode == "dual" and args.dual_form == "pair"
+    lr_pre_factor = args.lr_pre_factor if args.lr_pre_factor is not None else (DEFAULT_LR_PRE_FACTOR if dual_pair else 1.0)
+    dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=lr_scales, lr_weights=args.lr_weights,
                              batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
                              temperature=args.temperature, ce_weight=args.ce_weight, seed=args.seed,
                              out_dir=str(train_dir), fsdp=bool(getattr(args, "fsdp", False)),
-                             fsdp_param_dtype=getattr(args, "fsdp_param_dtype", "fp32"))
+                             fsdp_param_dtype=getattr(args, "fsdp_param_dtype", "fp32"),
+                             lr_schedule=args.lr_schedule, warmup_steps=warmup if args.lr_schedule != "constant" else 0,
+                             min_lr_ratio=args.min_lr_ratio, lr_pre_factor=lr_pre_factor,
+                             freeze_pre_steps=args.freeze_pre_steps)
     record = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train,
               "scale_rule": None if is_ckpt else (args.scale_rule or "6"), "w4a4": None if is_ckpt else args.w4a4}
     if recipe is not None:  # (absent otherwise, so older run directories still resume)
         record["recipe"] = recipe.name
+    if args.method not in (None, "rtn"):
+        record["method"] = args.method
+    if (args.param, args.dual_form) != ("amax", "pair"):  # the units the run's amaxes are in
+        record.update(param=args.param, dual_form=args.dual_form)
+    if args.learn_input_scales:
+        record["learn_input_scales"] = True
     report = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train, "ptq": ptq_report}
     evals = {}
 
@@ -190,7 +247,7 @@ def cmd_learn_scales(args) -> int:
 
 
 def add_learn_scales(sub) -> None:
-    from ..lsq import LSQ_MODES
+    from ..lsq import DUAL_FORMS, LR_SCHEDULES, LSQ_MODES, LSQ_PARAMS
 
     p = sub.add_parser("learn-scales", help="learn NVFP4 block scales by distillation from the full-precision model",
                        description="Make the NVFP4 block scales of a quantized model trainable (LSQ, tied or dual), "
@@ -203,10 +260,28 @@ def add_learn_scales(sub) -> None:
                    help="use the source model named in the checkpoint's metadata as the teacher (only a built-in "
                         "or hub name, never a local path)")
     p.add_argument("--mode", default="tied", choices=LSQ_MODES)
+    p.add_argument("--param", default=DEFAULT_PARAM, choices=LSQ_PARAMS,
+                   help="units of the learned block amaxes: log (relative to the PTQ amax: one lr is the same relative "
+                        "step on every model; default) or amax (raw, the write-up's)")
+    p.add_argument("--dual-form", default="pair", choices=DUAL_FORMS,
+                   help="with --mode dual: pair (independent pre / post amaxes, the write-up's) or ratio (post = pre * a "
+                        "learned ratio)")
     p.add_argument("--train", default="scales", choices=("scales", "all"), help="scales only, or weights too")
     number(p, "--steps", int, lo=1, hi=MAX_STEPS, default=100)
-    number(p, "--lr-scales", float, lo=0.0, lo_open=True, default=DEFAULT_LR_SCALES,
-           help="Adam learning rate of the block amaxes (the value of docs/results/scale-learning.md)")
+    number(p, "--lr-scales", float, lo=0.0, lo_open=True, default=None,
+           help=f"peak Adam learning rate of the block scales (default {DEFAULT_LR_SCALES_LOG:g} with --param log, "
+                f"{DEFAULT_LR_SCALES:g} with --param amax: docs/results/recovery.md)")
+    p.add_argument("--lr-schedule", default=DEFAULT_SCHEDULE, choices=LR_SCHEDULES,
+                   help="learning-rate schedule of every group: cosine (default) or linear decay to --min-lr-ratio "
+                        "after --warmup-steps, or constant")
+    number(p, "--warmup-steps", int, lo=0, hi=MAX_STEPS, default=None, help="linear warm-up steps (default: --steps / 10)")
+    number(p, "--min-lr-ratio", float, lo=0.0, hi=1.0, default=0.0, help="the decayed lr, relative to the peak")
+    number(p, "--lr-pre-factor", float, lo=0.0, default=None,
+           help="with --mode dual --dual-form pair: the pre amaxes' lr relative to --lr-scales (default 0: they stay "
+                "at the PTQ scales, only the value scales learn, the fix for the write-up's 1, which diverges: "
+                "docs/lsq.md)")
+    number(p, "--freeze-pre-steps", int, lo=0, hi=MAX_STEPS, default=0,
+           help="with --mode dual --dual-form pair: the pre amaxes stay frozen for the first N steps")
     number(p, "--lr-weights", float, lo=0.0, default=1e-5)
     number(p, "--temperature", float, lo=0.0, lo_open=True, default=1.0)
     number(p, "--ce-weight", float, lo=0.0, default=0.0, help="weight of the next-token loss mixed into T^2 KL")
@@ -215,11 +290,15 @@ def add_learn_scales(sub) -> None:
     p.add_argument("--data", help="training text (default: the model's calibration text)")
     number(p, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=256, help="training windows drawn from --data")
     number(p, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=256)
-    p.add_argument("--scale-rule", default=None, choices=("6", "4over6", "sweep"),
+    p.add_argument("--method", default=None, choices=INIT_METHODS,
+                   help="PTQ method of the initialisation (model names only; default rtn; its default options)")
+    p.add_argument("--scale-rule", default=None, choices=("6", "4over6", "sweep", "hessian", "hessian-4over6"),
                    help="RTN init (model names only; default 6; with --recipe: its NVFP4 schemes' rule)")
     p.add_argument("--recipe", help="RTN init with a PTQ recipe (model names only): a built-in name (blockscale "
                                     "recipes --ptq) or a YAML file; only its NVFP4 modules learn their scales")
-    p.add_argument("--w4a4", action="store_true", help="RTN init with NVFP4 activations (model names only)")
+    p.add_argument("--w4a4", action="store_true", help="PTQ init with NVFP4 activations (model names only)")
+    p.add_argument("--learn-input-scales", action="store_true",
+                   help="W4A4: learn each Linear's activation outer scale too (its clipping level; docs/lsq.md)")
     add_skip_indivisible(p)
     p.add_argument("--eval", nargs="?", const="default", help="perplexity before and after (optional source)")
     number(p, "--max-eval-tokens", int, lo=2, hi=MAX_EVAL_TOKENS)
@@ -245,4 +324,4 @@ def add_learn_scales(sub) -> None:
     p.set_defaults(func=cmd_learn_scales)
 
 
-__all__ = ["DEFAULT_LR_SCALES", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]
+__all__ = ["DEFAULT_LR_SCALES", "DEFAULT_LR_SCALES_LOG", "default_lr_scales", "default_warmup", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]

@@ -275,7 +275,9 @@ def _add_quantize(sub) -> None:
                         "built-in (blockscale recipes lists them) or a YAML file. With it, the scale rule / error / "
                         "activation scale rule flags set every NVFP4 scheme's options and exclude patterns add to "
                         "its ignore list")
-    q.add_argument("--scale-rule", choices=("6", "4over6", "sweep"), help="NVFP4 weight block scale rule (default 6)")
+    q.add_argument("--scale-rule", choices=("6", "4over6", "sweep", "hessian", "hessian-4over6"),
+                   help="NVFP4 weight block scale rule (default 6; hessian / hessian-4over6: the sweep's / 4/6's "
+                        "candidates weighted by the calibration inputs' per-channel mean x^2, calibrates)")
     q.add_argument("--error", choices=("mse", "mae", "maxabs"), help="4/6 block error (default mse)")
     act = q.add_mutually_exclusive_group()
     act.add_argument("--weights-only", action="store_true", help="W4A16 (default; not with --recipe)")

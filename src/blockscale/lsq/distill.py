@@ -21,6 +21,7 @@ the root; sharded checkpoints ``latest.dcp``; both models are plain, full module
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +36,10 @@ from ..train import CheckpointContents, DistInfo, LoopConfig, StepReport, derive
 from ..train.distributed import cleanup_distributed, join_distributed
 from ..train.fsdp import check_fsdp_options, require_distributed, shard_model, unshard_model
 from .enable import learner_modules, lsq_layers, scale_parameters, weight_parameters
+from .parameterisation import PRE_PARAMETER_NAMES
 
 DISTILL_TRAIN = ("scales", "all")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 DISTILL_CKPT_NAME = "latest.pt"
 DISTILL_METRICS_NAME = "metrics.jsonl"
 DISTILL_PLOT_NAME = "losses.png"
@@ -53,7 +56,13 @@ class DistillConfig:
     evaluate ``eval_tokens`` (if given) and write the checkpoint (0: only the final checkpoint).
     out_dir: metrics.jsonl, latest.pt and losses.png (None writes nothing).
     fsdp: shard student and teacher with FSDP2 instead of DDP (torchrun, >= 2 processes); fsdp_param_dtype:
-    "fp32" | "bf16" for everything but the LSQ learners (always FP32); gradients reduced in FP32."""
+    "fp32" | "bf16" for everything but the LSQ learners (always FP32); gradients reduced in FP32.
+    lr_schedule: "constant" (the write-up's), "cosine" or "linear" decay from each group's lr (after
+    ``warmup_steps`` linear warm-up steps: lr * (step + 1) / warmup_steps) to ``min_lr_ratio`` * lr at
+    ``schedule_steps`` (None: ``steps``; set it to run a longer schedule in segments, e.g. evaluating at
+    50 / 100 of a 200-step one); ``lr_factor(step)`` gives the factor. lr_pre_factor: dual mode ("pair"
+    form) only, the pre amaxes' (the codes' grid) lr is lr_scales * lr_pre_factor (0 freezes them);
+    freeze_pre_steps: the pre amaxes stay frozen for the first N steps."""
 
     train: str = "scales"
     steps: int = 100
@@ -71,9 +80,34 @@ class DistillConfig:
     log_every: int = 10
     fsdp: bool = False
     fsdp_param_dtype: str = "fp32"
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    schedule_steps: Optional[int] = None
+    lr_pre_factor: float = 1.0
+    freeze_pre_steps: int = 0
 
     def __post_init__(self):
         check_fsdp_options(self.fsdp, self.fsdp_param_dtype, "DistillConfig")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"DistillConfig.lr_schedule={self.lr_schedule!r}; allowed values: "
+                             f"{', '.join(map(repr, LR_SCHEDULES))}")
+        for name in ("warmup_steps", "freeze_pre_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"DistillConfig.{name}={v!r}; allowed values: integers >= 0")
+        v = self.schedule_steps
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"DistillConfig.schedule_steps={v!r}; allowed values: None or an integer >= 1")
+        for name, hi in (("min_lr_ratio", 1.0), ("lr_pre_factor", None)):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v != float("inf") and v >= 0
+            if not ok or (hi is not None and v > hi):
+                raise ValueError(f"DistillConfig.{name}={v!r}; allowed values: finite numbers >= 0"
+                                 + (f" and <= {hi:g}" if hi is not None else ""))
+        if self.warmup_steps and self.warmup_steps >= (self.schedule_steps or self.steps):
+            raise ValueError(f"DistillConfig.warmup_steps={self.warmup_steps}; allowed values: fewer than the schedule's "
+                             f"{self.schedule_steps or self.steps} steps")
         if self.train not in DISTILL_TRAIN:
             raise ValueError(f"DistillConfig.train={self.train!r}; allowed values: {', '.join(map(repr, DISTILL_TRAIN))}")
         ints = {"steps": 1, "batch_size": 1, "grad_accum": 1, "seq_len": 2, "log_every": 1, "eval_every": 0,
@@ -97,7 +131,28 @@ class DistillConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["out_dir"] = None if self.out_dir is None else str(self.out_dir)
+        for f in _SCHEDULE_FIELDS:  # only when set: the config of a constant-lr run reads as before
+            if d[f.name] == f.default:
+                del d[f.name]
         return d
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule's factor on each group's lr at 0-based optimizer ``step``: 1 for "constant"; else
+        (step + 1) / warmup_steps during warm-up, then from 1 at ``warmup_steps`` to ``min_lr_ratio`` at
+        ``schedule_steps`` (or ``steps``) by a half cosine or a straight line, and ``min_lr_ratio`` after."""
+        if self.lr_schedule == "constant":
+            return 1.0
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        total = self.schedule_steps or self.steps
+        t = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * t)) if self.lr_schedule == "cosine" else 1.0 - t
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+_SCHEDULE_FIELDS = tuple(f for f in dataclasses.fields(DistillConfig)
+                         if f.name in ("lr_schedule", "warmup_steps", "min_lr_ratio", "schedule_steps", "lr_pre_factor",
+                                       "freeze_pre_steps"))
 
 
 # ----------------------------------------------------------------------------- loss
@@ -140,17 +195,20 @@ def eval_next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int
 
 
 def steps_per_scale_step(model: nn.Module, lr: float, max_samples: int = 1 << 20) -> tuple[float, float]:
-    """(median block amax, lr-limited steps to move it by one E4M3 step): Adam changes an amax by about
-    ``lr`` per step whatever the gradient's size, and a stored E4M3 scale moves when its amax changes
-    by 1/15 to 1/8 of itself (3 mantissa bits); so about ``median / (16 lr)`` steps before a typical block's scale can
-    change (the learning rate that suits a model scales with its weights' magnitude)."""
-    params = scale_parameters(model)
-    if not params:
+    """(median block amax, lr-limited steps to move it by one E4M3 step). Adam changes a parameter by about
+    ``lr`` per step whatever the gradient's size, and a stored E4M3 scale moves when its amax changes by
+    1/16 to 1/8 of itself (3 mantissa bits). With param="amax" (raw amaxes) that is about
+    ``median / (16 lr)`` steps (so the lr that suits a model scales with its weights' magnitude); with
+    param="log" (log of the amax relative to its initial value) it is ``ln(1 + 1/16) / lr`` on every model."""
+    learners = learner_modules(model)
+    if not learners:
         raise ValueError("model has no LSQ amax parameters: run blockscale.lsq.enable(model, ...) first")
-    flat = torch.cat([p.detach().flatten() for p in params])
+    flat = torch.cat([m.amaxes()[0].detach().flatten() for m in learners])
     if flat.numel() > max_samples:
         flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:max_samples]]
     med = float(flat.float().median())
+    if all(m.param == "log" for m in learners):
+        return med, math.log1p(0.0625) / lr
     return med, 0.0625 * med / lr
 
 
@@ -189,20 +247,37 @@ class DistillTask:
         weights = weight_parameters(student) if self.cfg.train == "all" else []
         for p in scales + weights:
             p.requires_grad_(True)
-        self.groups = [{"params": scales, "lr": self.cfg.lr_scales, "name": "scales"}]
+        cfg = self.cfg
+        pre_ids = set()
+        if cfg.lr_pre_factor != 1.0 or cfg.freeze_pre_steps:
+            pre_ids = {id(p) for n, p in student.named_parameters() if n.rpartition(".")[2] in PRE_PARAMETER_NAMES}
+        pre = [p for p in scales if id(p) in pre_ids]
+        self.groups = [{"params": [p for p in scales if id(p) not in pre_ids], "lr": cfg.lr_scales, "name": "scales",
+                        "base_lr": cfg.lr_scales}]
+        if pre:
+            self.groups.append({"params": pre, "lr": cfg.lr_scales * cfg.lr_pre_factor, "name": "pre scales",
+                                "base_lr": cfg.lr_scales * cfg.lr_pre_factor})
         if weights:
-            self.groups.append({"params": weights, "lr": self.cfg.lr_weights, "name": "weights"})
+            self.groups.append({"params": weights, "lr": cfg.lr_weights, "name": "weights", "base_lr": cfg.lr_weights})
         return [p for p in student.parameters() if p.requires_grad]
 
     def make_optimizer(self, student: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.groups, lr=self.cfg.lr_scales, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.groups, lr=self.cfg.lr_scales, weight_decay=0.0)
+        return self.optimizer
 
     def fsdp_units(self, student: nn.Module) -> list[nn.Module]:
         """FSDP units of their own, FP32 whatever fsdp_param_dtype says: every LSQ learner (its latent weight
         and block amaxes; a bf16 amax would move its E4M3 scales)."""
         return learner_modules(student)
 
-    def lr(self, step: int) -> None:  # constant per group
+    def lr(self, step: int) -> None:
+        """Each group's lr times ``cfg.lr_factor(step)`` (the pre scales' 0 while frozen), set on the optimizer
+        here (the loop's one-lr-for-all does not fit groups with their own lrs); returns None."""
+        f = self.cfg.lr_factor(step)
+        for group in self.optimizer.param_groups:
+            frozen = group.get("name") == "pre scales" and step < self.cfg.freeze_pre_steps
+            group["lr"] = 0.0 if frozen else group["base_lr"] * f
+        self.current_lr = self.cfg.lr_scales * f
         return None
 
     def step_seed(self, step: int, rank: int) -> None:  # eval mode, no dropout: nothing random
@@ -225,10 +300,11 @@ class DistillTask:
 
     def metrics_row(self, r: StepReport) -> dict:
         loss, kl, ce = r.stats
-        row = {"step": r.step, "loss": loss, "kl": kl, "ce": ce, "lr": self.cfg.lr_scales, "grad_norm": r.grad_norm,
+        lr = getattr(self, "current_lr", self.cfg.lr_scales)
+        row = {"step": r.step, "loss": loss, "kl": kl, "ce": ce, "lr": lr, "grad_norm": r.grad_norm,
                "seconds": r.elapsed_s, "train_loss": loss}
-        if len(self.groups) > 1:
-            row["lr_weights"] = self.cfg.lr_weights
+        if any(g["name"] == "weights" for g in self.groups):
+            row["lr_weights"] = self.cfg.lr_weights * lr / self.cfg.lr_scales
         if r.val_loss is not None:
             row["eval_loss"] = row["val_loss"] = r.val_loss
         return row

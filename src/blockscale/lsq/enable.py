@@ -9,16 +9,19 @@ NVFP4; dual: codes from s_pre, stored scales s_post: the exact export).
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.fused import fused_groups
 from ..nn.nvfp4_experts import NVFP4Experts
 from ..nn.nvfp4_linear import NVFP4Linear
 from .experts import LSQExperts, enable_experts, freeze_experts
-from .quantizer import LSQ_INITS, LSQ_MODES, NVFP4ScaleLearner, _amax_for_scales
+from .parameterisation import SCALE_PARAMETER_NAMES, check_parameterisation
+from .input_scale import learned_input_quantize, learned_input_scale
+from .quantizer import LSQ_INITS, LSQ_MODES, NVFP4ScaleLearner
 
 ENABLE_INITS = ("stored",) + LSQ_INITS
 
@@ -39,24 +42,38 @@ class _StraightThroughInput(torch.autograd.Function):
 class LSQLinear(nn.Module):
     """``y = quantize_input(x) @ learner()^T + b``: an NVFP4Linear whose weight is re-quantized from a
     latent FP32 weight with trainable block scales. ``base`` keeps the bias and the W4A4 input scale;
-    the input quantizer passes gradients straight through."""
+    the input quantizer passes gradients straight through. log_input_amax (W4A4, activation rule "6"): a
+    trainable scalar (``lsq.input_scale``: the activation clipping level, 0 = calibrated), one Parameter shared
+    by the Linears of a fused group (q/k/v, gate/up keep one input scale)."""
 
-    def __init__(self, base: NVFP4Linear, learner: NVFP4ScaleLearner):
+    def __init__(self, base: NVFP4Linear, learner: NVFP4ScaleLearner, log_input_amax: Optional[nn.Parameter] = None):
         super().__init__()
         self.base, self.learner = base, learner
+        if log_input_amax is not None and (base.input_global_scale is None or base.input_scale_rule != "6"):
+            raise ValueError("learn_input_scales needs W4A4 Linears with the activation scale rule '6' (got "
+                             f"{'W4A16' if base.input_global_scale is None else repr(base.input_scale_rule)})")
+        self.log_input_amax = log_input_amax
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.base.bias is None else self.base.bias.to(x.dtype)
-        xq = x if self.base.input_global_scale is None else _StraightThroughInput.apply(x, self.base)
+        if self.base.input_global_scale is None:
+            xq = x
+        elif self.log_input_amax is not None:
+            xq = learned_input_quantize(x, self.log_input_amax, self.base.input_global_scale, self.base.input_error)
+        else:
+            xq = _StraightThroughInput.apply(x, self.base)
         return F.linear(xq, self.learner().to(x.dtype), b)
 
     @torch.no_grad()
     def to_nvfp4_linear(self) -> NVFP4Linear:
-        """The NVFP4Linear with the learned codes and scales (its dequantized weight == learner())."""
+        """The NVFP4Linear with the learned codes and scales (its dequantized weight == learner()) and, with a
+        learned input scale, that outer scale."""
         q = self.learner.to_quantized()
         self.base.weight_packed.copy_(q.codes)
         self.base.weight_scale.copy_(q.scales)
         self.base.weight_global_scale.copy_(q.outer_scale.reshape(1))
+        if self.log_input_amax is not None:
+            self.base.input_global_scale.copy_(learned_input_scale(self.base.input_global_scale, self.log_input_amax))
         return self.base
 
 
@@ -72,11 +89,18 @@ def _latent_weight(name: str, m: NVFP4Linear, weights) -> torch.Tensor:
 
 def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
            weights: Union[nn.Module, dict, None] = None, grad_scale: float = 1.0,
-           train_weights: bool = False) -> list[str]:
+           train_weights: bool = False, param: str = "amax", dual_form: str = "pair",
+           learn_input_scales: bool = False) -> list[str]:
     """Make the block scales of every ``NVFP4Linear`` and ``NVFP4Experts`` (fused MoE experts) in ``model``
     trainable (in place); returns the names (Linears first, then the experts modules).
 
     mode: "tied" (one amax per block) or "dual" (amax_pre for the codes, amax_post for the value).
+    param: the units the amaxes train in: "amax" (the raw amax, the write-up's) or "log" (log of the amax
+      relative to its initial value: one lr is the same relative step on every model); dual_form: "pair"
+      (independent pre / post, the write-up's) or "ratio" (post = pre * a learned ratio). See
+      ``lsq.parameterisation``; every choice gives the same step-0 forward bit for bit.
+    learn_input_scales: W4A4 Linears (activation rule "6") also learn their activation outer scale
+      (``lsq.input_scale``: the clipping level, log units); fused experts' input scales stay fixed.
     init: "stored" (the PTQ model's E4M3 scales) or a scale rule "6" / "4over6" / "sweep" ("mse") /
       "4" applied to the latent weight with the layer's outer scale S (kept fixed: fused groups keep
       sharing it).
@@ -93,22 +117,63 @@ def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
         raise ValueError(f"mode={mode!r}; allowed values: {', '.join(LSQ_MODES)}")
     if init not in ENABLE_INITS:
         raise ValueError(f"init={init!r}; allowed values: {', '.join(ENABLE_INITS)}")
+    check_parameterisation(mode, param, dual_form)
+    if learn_input_scales:
+        bad = [n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)
+               and (m.input_global_scale is None or m.input_scale_rule != "6")]
+        if bad:
+            raise ValueError(f"learn_input_scales: {bad[0]} (and {len(bad) - 1} more) is not a W4A4 Linear with the "
+                             "activation scale rule '6'; allowed: models quantized with activations='w4a4', "
+                             "act_scale_rule='6'")
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
     if not targets and not any(isinstance(m, NVFP4Experts) for m in model.modules()):
         raise ValueError("model has no NVFP4Linear layers or NVFP4Experts: quantize it first (blockscale quantize / "
                          "quantize_model)")
+    input_params = {}
+    if learn_input_scales:  # one learned input scale per fused group (they share one calibrated scale)
+        for group in fused_groups([n for n, _ in targets]):
+            p = nn.Parameter(torch.zeros((), device=dict(targets)[group[0]].input_global_scale.device))
+            input_params.update({n: p for n in group})
     for name, m in targets:
         w = _latent_weight(name, m, weights).to(m.weight_packed.device)
         S = m.weight_global_scale.reshape(())
         learner = NVFP4ScaleLearner(w, S, mode=mode, init="6" if init == "stored" else init,
-                                    grad_scale=grad_scale, train_weight=train_weights)
+                                    grad_scale=grad_scale, train_weight=train_weights, param=param,
+                                    dual_form=dual_form)
         if init == "stored":
-            amax = _amax_for_scales(m.weight_scale.to(torch.float32), S)
-            for p in ([learner.amax] if mode == "tied" else [learner.amax_pre, learner.amax_post]):
-                p.data.copy_(amax)
+            learner.set_scales(m.weight_scale)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, LSQLinear(m, learner))
-    return [n for n, _ in targets] + enable_experts(model, mode, init, weights, grad_scale, train_weights)
+        setattr(model.get_submodule(parent) if parent else model, child, LSQLinear(m, learner, input_params.get(name)))
+    return [n for n, _ in targets] + enable_experts(model, mode, init, weights, grad_scale, train_weights, param,
+                                                    dual_form)
+
+
+@torch.no_grad()
+def exact_latent_weights(model: nn.Module, candidates: dict) -> tuple[dict, list[str]]:
+    """Latent weights for ``enable(model, init="stored", weights=...)`` that keep step 0 the PTQ model bit for bit:
+    for every ``NVFP4Linear`` of ``model``, ``candidates[name]`` (e.g. the full-precision weights PTQ quantized:
+    ``quantize_model(..., latent_weights=d)``) when rounding it with the layer's stored block scales and outer
+    scale reproduces the stored codes exactly (RTN-like methods: RTN, AWQ, SmoothQuant, any scale rule), else
+    the layer's dequantized weight (GPTQ, whose codes are not a rounding of one weight; a missing name).
+    Returns ({name: FP32 weight}, the names that took the dequantized weight)."""
+    if not isinstance(candidates, dict):
+        raise TypeError(f"candidates must be a dict of {{name: weight}}, got {type(candidates).__name__}")
+    out, fallback = {}, []
+    for name, m in model.named_modules():
+        if not isinstance(m, NVFP4Linear):
+            continue
+        w = candidates.get(name)
+        if isinstance(w, torch.Tensor) and tuple(w.shape) == (m.out_features, m.in_features) \
+                and bool(torch.isfinite(w).all()):
+            S = m.weight_global_scale.reshape(()).float()
+            learner = NVFP4ScaleLearner(w.to(m.weight_packed.device).float(), S)
+            learner.set_scales(m.weight_scale)
+            if torch.equal(learner.to_quantized().codes, m.weight_packed):
+                out[name] = w.detach().float()
+                continue
+        out[name] = m.dequantized_weight(torch.float32)
+        fallback.append(name)
+    return out, fallback
 
 
 def freeze(model: nn.Module) -> list[str]:
@@ -123,8 +188,9 @@ def freeze(model: nn.Module) -> list[str]:
 
 
 def scale_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable block-amax parameters (1/16 of the quantized weights' element count per mode tensor)."""
-    return [p for n, p in model.named_parameters() if n.rpartition(".")[2] in ("amax", "amax_pre", "amax_post")]
+    """The trainable block-scale parameters (1/16 of the quantized weights' element count per mode tensor): the
+    amaxes, or their logs / ratios (``lsq.parameterisation.SCALE_PARAMETER_NAMES``)."""
+    return [p for n, p in model.named_parameters() if n.rpartition(".")[2] in SCALE_PARAMETER_NAMES]
 
 
 def weight_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -155,4 +221,4 @@ def lsq_layers(model: nn.Module) -> dict[str, Union[LSQLinear, LSQExperts]]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (LSQLinear, LSQExperts))}
 
 
-__all__ = ["ENABLE_INITS", "LSQLinear", "enable", "freeze", "learner_modules", "lsq_layers", "scale_parameters", "weight_parameters"]
+__all__ = ["ENABLE_INITS", "LSQLinear", "enable", "exact_latent_weights", "freeze", "learner_modules", "lsq_layers", "scale_parameters", "weight_parameters"]

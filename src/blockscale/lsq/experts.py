@@ -19,13 +19,14 @@ from ..formats.e2m1 import pack_nibbles
 from ..nn.nvfp4_experts import NVFP4Experts
 from ..quant.dispatch import quantize
 from ..quant.nvfp4 import NVFP4, e2m1_codes
+from .parameterisation import BlockAmaxes
 from .quantizer import (BLOCK, LSQ_INITS, LSQ_MODES, _INIT_RULE, _amax_for_scales, _inv, _LSQFn, _signed,
                         block_scales)
 
 EXPERT_PROJECTIONS = ("gate_up", "down")
 
 
-class NVFP4ExpertsScaleLearner(nn.Module):
+class NVFP4ExpertsScaleLearner(BlockAmaxes, nn.Module):
     """A learnable NVFP4 fake quantizer of stacked expert weights W [E, N, K] (K a multiple of 16).
 
     weight: FP32 ``nn.Parameter`` [E, N, K] (requires_grad = ``train_weight``); ``encode_scale`` S [E]
@@ -35,7 +36,7 @@ class NVFP4ExpertsScaleLearner(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, encode_scale: torch.Tensor, mode: str = "tied", init: str = "6",
-                 grad_scale: float = 1.0, train_weight: bool = False):
+                 grad_scale: float = 1.0, train_weight: bool = False, param: str = "amax", dual_form: str = "pair"):
         super().__init__()
         if mode not in LSQ_MODES:
             raise ValueError(f"mode={mode!r}; allowed values: {', '.join(LSQ_MODES)}")
@@ -54,7 +55,7 @@ class NVFP4ExpertsScaleLearner(nn.Module):
             raise ValueError(f"encode_scale must hold {E} positive, normal, finite FP32 outer scales (one per expert)")
         if not (isinstance(grad_scale, (int, float)) and math.isfinite(grad_scale)):
             raise ValueError(f"grad_scale={grad_scale!r}: expected a finite float")
-        self.mode, self.init, self.grad_scale = mode, init, float(grad_scale)
+        self.init, self.grad_scale = init, float(grad_scale)
         self.spec = NVFP4(scale_rule=_INIT_RULE[init])
         w = weight.detach().to(torch.float32).clone()
         self.weight = nn.Parameter(w, requires_grad=train_weight)
@@ -65,27 +66,16 @@ class NVFP4ExpertsScaleLearner(nn.Module):
             s_e = torch.stack([quantize(w[e], self.spec, encode_scale=S[e]).scales.to(torch.float32)
                                for e in range(E)])
             amax = _amax_for_scales(s_e, self._S())
-        if mode == "tied":
-            self.amax = nn.Parameter(amax.clone())
-        else:
-            self.amax_pre = nn.Parameter(amax.clone())
-            self.amax_post = nn.Parameter(amax.clone())
+        self.init_amaxes(amax, mode, param, dual_form)
 
     def _S(self) -> torch.Tensor:
         """S as [E, 1, 1]: broadcasting against the amaxes [E, N, K/16]."""
         return self.encode_scale.reshape(-1, 1, 1)
 
-    def amaxes(self) -> tuple:
-        """(amax_pre, amax_post): (amax, None) when tied."""
-        return (self.amax, None) if self.mode == "tied" else (self.amax_pre, self.amax_post)
-
     @torch.no_grad()
     def set_scales(self, scales: torch.Tensor) -> None:
         """Set every amax so that the block scales are exactly ``scales`` [E, N, K/16] (E4M3 values)."""
-        amax = _amax_for_scales(scales.to(torch.float32), self._S())
-        for p in self.amaxes():
-            if p is not None:
-                p.copy_(amax)
+        self.set_amax(_amax_for_scales(scales.to(torch.float32), self._S()))
 
     def forward(self) -> torch.Tensor:
         pre, post = self.amaxes()
@@ -105,7 +95,7 @@ class NVFP4ExpertsScaleLearner(nn.Module):
         return pack_nibbles(e2m1_codes(neg, v).reshape(E, N, K)), s_post.to(torch.float8_e4m3fn)
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.weight.shape)}, mode={self.mode!r}, init={self.init!r}, grad_scale={self.grad_scale}"
+        return f"shape={tuple(self.weight.shape)}, {self.amax_repr()}, init={self.init!r}, grad_scale={self.grad_scale}"
 
 
 class _StraightThroughExpertInput(torch.autograd.Function):
@@ -174,7 +164,7 @@ def latent_expert_weights(name: str, m: NVFP4Experts, weights) -> tuple[torch.Te
 
 
 def enable_experts(model: nn.Module, mode: str, init: str, weights, grad_scale: float,
-                   train_weights: bool) -> list[str]:
+                   train_weights: bool, param: str = "amax", dual_form: str = "pair") -> list[str]:
     """Replace every ``NVFP4Experts`` of ``model`` by an ``LSQExperts`` (see ``lsq.enable``); returns the names."""
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Experts)]
     for name, m in targets:
@@ -183,7 +173,8 @@ def enable_experts(model: nn.Module, mode: str, init: str, weights, grad_scale: 
         for p, w in zip(EXPERT_PROJECTIONS, latent):
             S = getattr(m, f"{p}_weight_global_scale")
             learner = NVFP4ExpertsScaleLearner(w.to(S.device), S, mode=mode, init="6" if init == "stored" else init,
-                                               grad_scale=grad_scale, train_weight=train_weights)
+                                               grad_scale=grad_scale, train_weight=train_weights, param=param,
+                                               dual_form=dual_form)
             if init == "stored":
                 learner.set_scales(getattr(m, f"{p}_weight_scale"))
             learners.append(learner)

@@ -34,6 +34,7 @@ from ..quant.dispatch import quantize
 from ..quant.nvfp4 import (NVFP4, amax_of_outer_scale, block_scales as nvfp4_block_scales, e2m1_codes,
                            encode_multiplier, encode_scale_tensor, rounded_magnitudes)
 from ..quant.tensor import QuantizedTensor
+from .parameterisation import BlockAmaxes
 
 BLOCK = 16
 LSQ_MODES = ("tied", "dual")
@@ -116,18 +117,20 @@ def _amax_for_scales(s_e: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("could not find an amax reproducing the chosen E4M3 block scales")  # pragma: no cover
 
 
-class NVFP4ScaleLearner(nn.Module):
+class NVFP4ScaleLearner(BlockAmaxes, nn.Module):
     """A learnable NVFP4 fake quantizer of one weight [N, K] (K a multiple of 16).
 
     weight: an FP32 ``nn.Parameter`` (requires_grad = ``train_weight``). Tied mode: ``amax`` [N, K/16];
-    dual mode: ``amax_pre`` (codes) and ``amax_post`` (value scale). ``encode_scale`` S (buffer, FP32 [])
+    dual mode: ``amax_pre`` (codes) and ``amax_post`` (value scale). param / dual_form: the units the
+    amaxes train in (``lsq.parameterisation``: "amax" raw, or "log": ``log_amax`` relative to the initial
+    amax; dual "pair" or "ratio"). ``encode_scale`` S (buffer, FP32 [])
     stays fixed. init: "6" (the block amax), or "4over6" / "sweep" ("mse") / "4": the amax that maps
     to the E4M3 scale ``quantize(weight, NVFP4(scale_rule=init), encode_scale=S)`` chose.
     grad_scale: the LSQ gradient-scale factor multiplying the amax gradients.
     """
 
     def __init__(self, weight: torch.Tensor, encode_scale, mode: str = "tied", init: str = "6",
-                 grad_scale: float = 1.0, train_weight: bool = False):
+                 grad_scale: float = 1.0, train_weight: bool = False, param: str = "amax", dual_form: str = "pair"):
         super().__init__()
         if mode not in LSQ_MODES:
             raise ValueError(f"mode={mode!r}; allowed values: {', '.join(LSQ_MODES)}")
@@ -144,7 +147,7 @@ class NVFP4ScaleLearner(nn.Module):
         if not (isinstance(grad_scale, (int, float)) and math.isfinite(grad_scale)):
             raise ValueError(f"grad_scale={grad_scale!r}: expected a finite float")
         S = encode_scale_tensor(encode_scale, weight.device)
-        self.mode, self.init, self.grad_scale = mode, init, float(grad_scale)
+        self.init, self.grad_scale = init, float(grad_scale)
         self.spec = NVFP4(scale_rule=_INIT_RULE[init])
         w = weight.detach().to(torch.float32).clone()
         self.weight = nn.Parameter(w, requires_grad=train_weight)
@@ -155,24 +158,22 @@ class NVFP4ScaleLearner(nn.Module):
         else:
             s_e = quantize(w, self.spec, encode_scale=S).scales.to(torch.float32)
             amax = _amax_for_scales(s_e, S)
-        if mode == "tied":
-            self.amax = nn.Parameter(amax.clone())
-        else:
-            self.amax_pre = nn.Parameter(amax.clone())
-            self.amax_post = nn.Parameter(amax.clone())
+        self.init_amaxes(amax, mode, param, dual_form)
 
-    def _amaxes(self):
-        return (self.amax, None) if self.mode == "tied" else (self.amax_pre, self.amax_post)
+    @torch.no_grad()
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """Set the amaxes so that the block scales are exactly ``scales`` [N, K/16] (E4M3 values)."""
+        self.set_amax(_amax_for_scales(scales.to(torch.float32), self.encode_scale))
 
     def forward(self) -> torch.Tensor:
         """The fake-quantized weight x~ [N, K] FP32."""
-        pre, post = self._amaxes()
+        pre, post = self.amaxes()
         return _LSQFn.apply(self.weight, pre, post, self.encode_scale, self.grad_scale)
 
     @torch.no_grad()
     def to_quantized(self) -> QuantizedTensor:
         """NVFP4 export: codes from s_pre (tied: s), E4M3 scales s_e_post; dequantize() == forward()."""
-        pre, post = self._amaxes()
+        pre, post = self.amaxes()
         S = self.encode_scale
         N, K = self.weight.shape
         xb = self.weight.detach().reshape(N, K // BLOCK, BLOCK)
@@ -185,4 +186,4 @@ class NVFP4ScaleLearner(nn.Module):
                                shape=torch.Size((N, K)), dtype=torch.float32, outer_scale=S.clone(), amax=amax_st)
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.weight.shape)}, mode={self.mode!r}, init={self.init!r}, grad_scale={self.grad_scale}"
+        return f"shape={tuple(self.weight.shape)}, {self.amax_repr()}, init={self.init!r}, grad_scale={self.grad_scale}"

@@ -8,15 +8,17 @@ from typing import Any, Optional
 
 from ..errors import UsageError
 from ..quant import NVFP4
+from ..quant.nvfp4.weighted import WEIGHTED_RULES
 from ..recipes.ptq_builtin import get_ptq_recipe
 from ..recipes.ptq_recipe import PTQRecipe, Scheme
 from ..recipes.ptq_serialize import ptq_recipe_to_dict
 from ..recipes.recipe import DEFAULT_EXCLUDE, check_patterns  # embeddings, the output head, MoE routers: as in training
 from .fused_experts import OUTER_SCALE_MODES
+from .hessian_scales import HessianScales
 from .methods import METHODS, get_method
 from .protocol import PTQMethod
 
-WEIGHT_SCALE_RULES = ("6", "4over6", "sweep")
+WEIGHT_SCALE_RULES = ("6", "4over6", "sweep", "hessian", "hessian-4over6")
 ACTIVATIONS = ("w4a16", "w4a4")
 ACT_SCALE_RULES = ("6", "4over6")
 EXPERT_OUTER_SCALES = OUTER_SCALE_MODES  # "expert", "tensor"
@@ -38,7 +40,9 @@ class PTQConfig:
     options: the method's options dataclass (``AWQOptions``, ``SmoothQuantOptions``, ``GPTQOptions``,
       ``RTNOptions``); None: its defaults. E.g. ``PTQConfig(method="gptq", options=GPTQOptions(block_size=32))``.
     scale_rule / error: weight block scales: "6", "4over6" (with the 4/6 block error "mse" | "mae" |
-      "maxabs"), "sweep" (all 126 E4M3 scales, least squared error).
+      "maxabs"), "sweep" (all 126 E4M3 scales, least squared error), "hessian" / "hessian-4over6" (the
+      sweep's / 4/6's candidates, least error weighted by the calibration inputs' per-channel mean x^2:
+      Hessian-aware block scales, ``ptq.hessian_scales``; they calibrate even for W4A16).
     activations: "w4a16" (weights only) or "w4a4" (NVFP4 activations: dynamic per-16 block scales,
       one calibrated outer scale per layer); act_scale_rule "6" or "4over6" for the activations.
     exclude: regexes on module names kept in high precision (lm_head, embeddings by default).
@@ -90,7 +94,11 @@ class PTQConfig:
         _choice("scale_rule", self.scale_rule, WEIGHT_SCALE_RULES)
         _choice("activations", self.activations, ACTIVATIONS)
         _choice("act_scale_rule", self.act_scale_rule, ACT_SCALE_RULES)
-        NVFP4(scale_rule=self.scale_rule, error=self.error)  # validates error
+        NVFP4(scale_rule=WEIGHTED_RULES[self.scale_rule].scale_rule if self.scale_rule in WEIGHTED_RULES
+              else self.scale_rule, error=self.error)  # validates error
+        if self.scale_rule == "hessian-4over6" and self.error != "mse":
+            raise UsageError(f"error={self.error!r} cannot be combined with scale_rule='hessian-4over6' (its block "
+                             "error is the d-weighted squared error); leave error at 'mse'")
         object.__setattr__(self, "exclude", check_patterns(self.exclude))
         self._check_recipe()
         if self.options is None:
@@ -145,11 +153,17 @@ class PTQConfig:
                 raise UsageError(f"recipe {self.recipe.name!r}: its default scheme {self.recipe.default.label} is not "
                                  "NVFP4; take each module's weight spec from its scheme")
             return self.recipe.default.weight_spec
+        if self.scale_rule in WEIGHTED_RULES:  # the stored format of a Hessian-aware rule
+            return WEIGHTED_RULES[self.scale_rule]
         return NVFP4(scale_rule=self.scale_rule, error=self.error)
 
     def make_method(self) -> PTQMethod:
-        """The method object (``METHODS[method](options)``) whose steps ``quantize_model`` runs."""
-        return METHODS[self.method](self.options)
+        """The method object (``METHODS[method](options)``) whose steps ``quantize_model`` runs; wrapped by
+        ``hessian_scales.HessianScales`` when a scheme has Hessian-aware block scales."""
+        method = METHODS[self.method](self.options)
+        if any(s.hessian_scales for s in self.ptq_recipe.schemes()):
+            return HessianScales(method)
+        return method
 
     @property
     def needs_calibration(self) -> bool:

@@ -11,7 +11,8 @@
 - Statistics (``reduce_statistics``), after each recording and before anything reads them: token counts
   and routed-token counts summed; input amax and per-channel max |x| (SmoothQuant) the max (exact);
   AWQ's sampled rows all-gathered and concatenated in rank order (each rank samples every k-th row of each
-  of its batches with the global k, so the set and its order are the single-process ones: exact); the
+  of its batches with the global k, so the set and its order are the single-process ones: exact);
+  per-channel sums of x^2 (Hessian-aware scales) gathered and added in float64 in rank order; the
   Hessians: each rank's running mean ``H_r`` over its ``n_r`` tokens is all-gathered and every rank forms
   ``H = (sum_r n_r H_r) / N`` in float64, adding in rank order (``n_r H_r = 2 sum x x^T`` of rank r, the
   un-normalised sum), then rounds it to the accumulator's dtype. Every rank computes the same bits; they
@@ -183,6 +184,17 @@ class CalibrationRanks:
             for st in with_abs:
                 k = st.absmax.numel()
                 st.absmax = flat[at:at + k].to(st.absmax.device).reshape(st.absmax.shape)
+                at += k
+        with_sq = [st for st in every if getattr(st, "sqsum", None) is not None]
+        if with_sq:  # per-channel sums of x^2 (Hessian-aware scales): float64, added in rank order
+            mats = self._gather(torch.cat([st.sqsum.reshape(-1) for st in with_sq]))
+            total = mats[0].double().clone()
+            for m in mats[1:]:
+                total += m.double()
+            at = 0
+            for st in with_sq:
+                k = st.sqsum.numel()
+                st.sqsum = total[at:at + k].to(st.sqsum.device).reshape(st.sqsum.shape)
                 at += k
         sampled = [st for st in every if st.sample_every]
         if sampled:  # AWQ's rows: concatenated in rank order

@@ -111,8 +111,9 @@ def evaluate_ppl(model, tokenizer, source: str, ctx: int, bos: str = "none", max
 
 
 def calibrate_and_quantize(model, tokenizer, config: PTQConfig, calib: str, calib_bos: bool = False, *, device=None,
-                           progress: bool = True) -> PTQReport:
-    """Draw calibration windows from ``calib`` (when the method needs them) and quantize ``model`` in place."""
+                           progress: bool = True, latent_weights: Optional[dict] = None) -> PTQReport:
+    """Draw calibration windows from ``calib`` (when the method needs them) and quantize ``model`` in place
+    (``latent_weights``: see ``quantize_model``)."""
     batches = None
     if config.needs_calibration:
         if tokenizer is None:
@@ -122,7 +123,7 @@ def calibrate_and_quantize(model, tokenizer, config: PTQConfig, calib: str, cali
                              "but this model has no tokenizer (save one next to the weights)")
         batches = calibration_batches(tokenizer, calib, config.n_samples, config.seq_len, seed=config.seed,
                                       bos=calib_bos)
-    report = quantize_model(model, config, batches, device=device, progress=progress)
+    report = quantize_model(model, config, batches, device=device, progress=progress, latent_weights=latent_weights)
     report.config["calibration_source"] = calib if batches is not None else None
     return report
 

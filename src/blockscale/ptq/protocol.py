@@ -62,10 +62,16 @@ class LayerContext:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """What ``quantize_weight`` returns: the quantized weight, and a note for the report (e.g. a fallback)."""
+    """What ``quantize_weight`` returns: the quantized weight, and a note for the report (e.g. a fallback).
+    latent: the FP32 weight whose rounding with ``q``'s scales gives ``q``'s codes when that is not the weight
+    ``quantize_weight`` was given (AWQ with clipping: the clipped weight); what
+    ``quantize_model(latent_weights=...)`` records for scale learning. GPTQ gives none: its codes are not a
+    rounding of its input weight, and scale learning from its dequantized weights did better on stories260K
+    than from its error-compensated column values (docs/lsq.md)."""
 
     q: QuantizedTensor
     note: str = ""
+    latent: Optional[torch.Tensor] = None
 
 
 class PTQMethod:
@@ -111,6 +117,13 @@ class PTQMethod:
         smoothing scales). Returns the Linears changed -> the strength used (``smoothing_alpha`` in the
         report); empty when nothing changed."""
         return {}
+
+    def quantize_stages(self, layer: nn.Module, linears: dict, inputs, device) -> Optional[list]:
+        """Optional order of step 3: None (default) quantizes every Linear of the layer from the statistics
+        of step 1; a list of stages (lists of full names, fused groups kept whole) makes quantize_model
+        quantize stage by stage, recording each later stage's statistics again with the earlier stages
+        already quantized (GPTQ's ``true_sequential``)."""
+        return None
 
     def quantize_weight(self, weight: torch.Tensor, stats: Optional[InputStatistics], spec,
                         encode_scale: Optional[torch.Tensor]) -> QuantizedWeight:

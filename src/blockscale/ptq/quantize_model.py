@@ -127,13 +127,14 @@ def _quantize_one(n: str, lin: nn.Linear, st: Optional[InputStatistics], S: Opti
         out_rel = out_err(dw)
         if method.compares_to_rtn:
             rtn_rel = out_err(rtn_quantize(w, spec, S).dequantize(torch.float32) - wf)
+    new.ptq_latent = res.latent  # (a plain attribute, popped by _quantize_linears: not in any state_dict)
     return new, LinearReport(n, tuple(w.shape), st.tokens if st is not None else 0, rel, out_rel, rtn_rel,
                              st.amax if st is not None else None, alpha, note, scheme.label)
 
 
 def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict, method: PTQMethod,
                       report: PTQReport, alphas: dict[str, float], fallback_amax: float,
-                      expert_outer_scale: str = "expert") -> None:
+                      expert_outer_scale: str = "expert", latent: Optional[dict] = None) -> None:
     groups = fused_groups(list(linears))
     scale_group = {n: g for g in expert_scale_groups(groups, expert_outer_scale, schemes) for n in g}
     for group in groups:
@@ -154,6 +155,10 @@ def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict,
             except ValueError as err:  # every failure names the Linear it happened in
                 raise QuantizationError(f"{n}: {err}") from err
             report.linears.append(lr)
+            given = new.__dict__.pop("ptq_latent", None)
+            if latent is not None:  # the method's latent, else the weight quantize_weight was given (after its transform)
+                w = given if given is not None else linears[n].weight
+                latent[n] = w.detach().float().cpu().clone()
             _replace(root, n, new)
 
 
@@ -185,7 +190,8 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
 
 
 def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[torch.Tensor] = None, *,
-                   device=None, progress: bool = True, data_parallel: Optional[bool] = None) -> PTQReport:
+                   device=None, progress: bool = True, data_parallel: Optional[bool] = None,
+                   latent_weights: Optional[dict] = None) -> PTQReport:
     """Quantize ``model`` (a transformers causal LM, or any model whose decoder layers form one
     ModuleList) in place: every nn.Linear inside the decoder layers, except the recipe's ignore list
     (``config.exclude`` for the flat config) and its "bf16" Linears, becomes its scheme's module
@@ -199,6 +205,9 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     calibrates on its share of the calibration batches and the statistics are reduced over ranks
     (``ptq.distributed``; None: whenever such a group is initialized, False: never, True: required).
     Returns a report (per-linear errors and scheme, what stays in high precision, KV scales, time).
+    ``latent_weights``: a dict filled with {Linear name: the FP32 (CPU) weight its quantization was given,
+    i.e. after the method's transform (AWQ / SmoothQuant folding)}: the latent weights scale learning can
+    start from (``lsq.exact_latent_weights`` keeps those that reproduce the stored codes).
 
     Before calibrating, raises QuantizationError when more than half of the decoder layers' weight
     elements would stay in high precision (excluded experts, ...) unless ``config.allow_partial``
@@ -209,6 +218,7 @@ def quantize_model(model: nn.Module, config: PTQConfig, calibration: Optional[to
     an empty calibration set. While calibrating, DataError when a Linear's inputs are NaN/inf."""
     t0 = time.time()
     run = start_pass(model, config, calibration, device, data_parallel=data_parallel)
+    run.latent = latent_weights
     inputs = first_inputs(run, calibration)
     it = range(len(run.layers))
     if progress:
@@ -242,6 +252,7 @@ class LayerPass:
     home: torch.device
     device: torch.device
     ranks: CalibrationRanks = field(default_factory=CalibrationRanks)  # data-parallel calibration (ptq.distributed)
+    latent: Optional[dict] = None  # quantize_model(latent_weights=...): filled with each Linear's quantized weight
 
 
 def start_pass(model: nn.Module, config: PTQConfig, calibration, device=None, *, check_finite: bool = True,
@@ -312,10 +323,20 @@ def quantize_layer(run: LayerPass, i: int, inputs, advance=run_layer):
         if alphas and (static or method.quantizes_with_statistics):
             stats, ex_stats = run.ranks.statistics(record, device)
     fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
+    stages = method.quantize_stages(layer, linears, inputs, device) if inputs is not None and linears else None
+    if stages is not None and run.ranks.enabled:  # every rank takes the last rank's order (it has a batch)
+        stages = run.ranks._gather_objects(stages)[-1]
     with torch.no_grad():  # data-parallel: GPTQ's solves spread over the ranks (ptq.distributed)
-        solver = run.ranks.solver(method, model, linears, experts, stats, ex_stats, schemes, config.expert_outer_scale)
-        _quantize_linears(model, linears, stats, schemes, solver, report, alphas, fallback,
-                          config.expert_outer_scale)
+        for k, names in enumerate(stages if stages is not None else [list(linears)]):
+            part = {n: linears[n] for n in names}
+            if k:  # true sequential: this stage's inputs with the earlier stages quantized (in place)
+                stats = {**stats, **run.ranks.statistics(lambda: (collect_statistics(
+                    layer, i, inputs, part, request, device, report.calibration_tokens,
+                    config.calibrate_all_experts), None), device)[0]}
+            solver = run.ranks.solver(method, model, part, experts if k == 0 else {}, stats, ex_stats if k == 0
+                                      else None, schemes, config.expert_outer_scale)
+            _quantize_linears(model, part, stats, schemes, solver, report, alphas, fallback,
+                              config.expert_outer_scale, run.latent)
         quantize_experts(model, experts, ex_stats, schemes, solver, report.experts, report.warnings, fallback,
                          config.expert_outer_scale)
     if recipe.kv_cache is not None and inputs is not None:

@@ -22,6 +22,7 @@ from ..formats.fp8 import FP8_DTYPES
 from ..quant import FP8, MX, NVFP4, QuantizedTensor, fake_quantize, quantize
 from ..quant.fp8 import dequantize_values, encode_with_scale, scale_from_amax
 from ..quant.nvfp4 import input_encode_scale, shared_outer_scale
+from ..quant.nvfp4.weighted import WEIGHTED_RULES, quantize_weighted
 
 
 def fp8_input_granularity(scheme) -> Optional[str]:
@@ -60,8 +61,13 @@ def fp8_with_scale(weight: torch.Tensor, spec: FP8, s: torch.Tensor) -> Quantize
 
 def rtn_quantize(weight: torch.Tensor, spec, shared: Optional[torch.Tensor] = None) -> QuantizedTensor:
     """Round to nearest with the group's shared scale: NVFP4 ``quantize(w, spec, encode_scale=S)``
-    (exactly as before mixed recipes), FP8 per tensor with the shared s, anything else ``quantize(w, spec)``."""
+    (exactly as before mixed recipes), FP8 per tensor with the shared s, anything else ``quantize(w, spec)``.
+    NVFP4 "sweep" of a 2-D weight with a shared S: ``quantize_weighted(w, "hessian", S, ones)``, the same
+    bits as ``quantize`` (tested) with the provably losing candidates skipped (several times faster)."""
     if isinstance(spec, NVFP4):
+        if (spec == WEIGHTED_RULES["hessian"] and shared is not None and weight.dim() == 2
+                and weight.shape[-1] % 16 == 0 and weight.numel()):
+            return quantize_weighted(weight, "hessian", shared, torch.ones(weight.shape[-1], device=weight.device))
         return quantize(weight, spec, encode_scale=shared)
     if isinstance(spec, FP8) and spec.granularity == "tensor" and shared is not None:
         return fp8_with_scale(weight, spec, shared)

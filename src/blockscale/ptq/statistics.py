@@ -27,12 +27,14 @@ class StatisticsRequest:
 
     hessian: accumulate ``H`` [K, K] (``HessianAccumulator``). channel_absmax: per-input-channel max |x|
     [K]. sample_tokens: keep every ``ceil(total / sample_tokens)``-th input row (about ``sample_tokens``
-    rows; 0: none), ``total`` being the calibration tokens of the whole run.
+    rows; 0: none), ``total`` being the calibration tokens of the whole run. channel_sqsum: per-input-channel
+    sum of x^2 [K] in float64 (the diagonal of X^T X: Hessian-aware block scales, ``channel_weights``).
     """
 
     hessian: bool = False
     channel_absmax: bool = False
     sample_tokens: int = 0
+    channel_sqsum: bool = False
 
 
 class HessianAccumulator:
@@ -83,6 +85,7 @@ class InputStatistics:
         self.k, self.tokens, self.amax = k, 0, 0.0
         self.hessian = HessianAccumulator(k, device=device) if request.hessian else None
         self.absmax = torch.zeros(k, dtype=torch.float32, device=device) if request.channel_absmax else None
+        self.sqsum = torch.zeros(k, dtype=torch.float64, device=device) if request.channel_sqsum else None
         self.sample_every = max(1, math.ceil(total_tokens / request.sample_tokens)) if request.sample_tokens else 0
         self.samples: list[torch.Tensor] = []
 
@@ -102,6 +105,8 @@ class InputStatistics:
             self.hessian.add(x2)
         if self.absmax is not None:
             self.absmax = torch.maximum(self.absmax, x2.abs().amax(0))
+        if self.sqsum is not None:
+            self.sqsum += x2.double().square().sum(0)
         if self.sample_every:
             self.samples.append(x2[:: self.sample_every].clone())
 
@@ -109,6 +114,13 @@ class InputStatistics:
     def H(self):
         """The Hessian [K, K] when one was requested and tokens were seen, else None."""
         return self.hessian.H if (self.hessian is not None and self.tokens) else None
+
+    def channel_weights(self):
+        """The per-input-channel mean of x^2 [K] (FP32: diag(X^T X) / tokens) when ``channel_sqsum`` was
+        requested and tokens were seen, else None."""
+        if self.sqsum is None or not self.tokens:
+            return None
+        return (self.sqsum / self.tokens).float()
 
     def sample(self) -> torch.Tensor:
         return torch.cat(self.samples) if self.samples else torch.zeros(0, self.k)

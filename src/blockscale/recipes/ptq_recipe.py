@@ -27,13 +27,14 @@ from typing import Optional
 
 from ..errors import UsageError
 from ..quant import FP8, MX, NVFP4
+from ..quant.nvfp4.weighted import WEIGHTED_RULES
 from .recipe import DEFAULT_EXCLUDE
 
 SCHEME_NAMES = ("nvfp4-w4a4", "nvfp4-w4a16", "fp8-w8a8", "fp8-block", "mxfp8", "mxfp4", "mxfp4-w4a16", "bf16")
 MODULE_CLASSES = ("attention", "mlp", "experts", "shared_experts", "router")
 KV_CACHE_FORMATS = ("fp8-e4m3",)
 
-_NVFP4_WEIGHT = {"scale_rule": ("6", "4over6", "sweep"), "error": ("mse", "mae", "maxabs")}
+_NVFP4_WEIGHT = {"scale_rule": ("6", "4over6", "sweep", "hessian", "hessian-4over6"), "error": ("mse", "mae", "maxabs")}
 _MX = {"scale_rule": ("ceil", "floor")}
 # scheme -> {option: allowed values, the first being the default}
 SCHEME_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -60,8 +61,10 @@ def _takers(option: str) -> str:
 class Scheme:
     """The quantization of one Linear (see the module docstring for the names).
 
-    scale_rule: nvfp4-*: "6" (default), "4over6" or "sweep" (weight block scales); mx*: "ceil"
-      (default) or "floor" (UE8M0 scale rounding).
+    scale_rule: nvfp4-*: "6" (default), "4over6" or "sweep" (weight block scales), or the Hessian-aware
+      "hessian" / "hessian-4over6" (the sweep's / 4/6's candidates, error weighted by the calibration
+      inputs' per-channel second moments; need calibration; ``weight_spec`` is the base "sweep" / "4over6"
+      spec, see ``quant.nvfp4.weighted``); mx*: "ceil" (default) or "floor" (UE8M0 scale rounding).
     error: nvfp4-*: the 4/6 block error "mse" (default), "mae" or "maxabs".
     act_scale_rule: nvfp4-w4a4: "6" (default) or "4over6" for the activations.
     weights: fp8-w8a8: "tensor" (default; one scale) or "channel" (one per output row).
@@ -116,6 +119,12 @@ class Scheme:
         return self.name == "nvfp4-w4a4" or (self.name == "fp8-w8a8" and self.activations == "static")
 
     @property
+    def hessian_scales(self) -> bool:
+        """Whether the NVFP4 weight block scales are chosen with calibration channel weights
+        (scale_rule "hessian" / "hessian-4over6")."""
+        return self.family == "nvfp4" and self.scale_rule in WEIGHTED_RULES
+
+    @property
     def block_size(self) -> Optional[int]:
         """The block along in_features the weight needs whole (16 NVFP4, 32 MX); None: any in_features
         (FP8 per tensor / channel, fp8-block pads its 128x128 tiles, bf16)."""
@@ -125,6 +134,8 @@ class Scheme:
     def weight_spec(self):
         """The weight's format spec: NVFP4 / FP8 / MX, or None for bf16."""
         if self.family == "nvfp4":
+            if self.scale_rule in WEIGHTED_RULES:  # the stored format of the Hessian-aware rules
+                return WEIGHTED_RULES[self.scale_rule]
             return NVFP4(scale_rule=self.scale_rule, error=self.error)
         if self.name == "fp8-w8a8":
             return FP8("e4m3", granularity=self.weights)
@@ -324,8 +335,9 @@ class PTQRecipe:
 
     @property
     def needs_calibration(self) -> bool:
-        """Whether some scheme has calibrated (static) activation scales, or the KV cache is quantized."""
-        return self.kv_cache is not None or any(s.static_activations for s in self.schemes())
+        """Whether some scheme has calibrated (static) activation scales or Hessian-aware weight block scales,
+        or the KV cache is quantized."""
+        return self.kv_cache is not None or any(s.static_activations or s.hessian_scales for s in self.schemes())
 
     @property
     def label(self) -> str:

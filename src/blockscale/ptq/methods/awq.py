@@ -26,10 +26,11 @@ import torch
 from ...quant import NVFP4, fake_quantize
 from ...quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale, shared_outer_scale
 from ..options import check_options, option
-from ..protocol import PTQMethod
+from ..protocol import PTQMethod, QuantizedWeight
 from ..scheme_quantize import group_weight_scale, input_quantizer, rtn_quantize
 from ..smoothing import FLOAT_DTYPES, check_smoothable, check_weights, smooth_layer
 from ..statistics import StatisticsRequest
+from .awq_clip import awq_clip_search, clip_supported
 
 # smoothing scales are kept in [S_MIN, S_MAX]: W * s and x / s then stay far from FP32 / BF16 limits
 S_MIN, S_MAX = 1e-4, 1e4
@@ -384,27 +385,75 @@ class AWQOptions:
     grid: int = option(20, "AWQ grid: alphas i / grid for i = 0 .. grid-1", lo=1, hi=1000)
     duo_scaling: bool = option(True, "AWQ scales x_mean^alpha / w_mean^(1-alpha) (else x_mean^alpha)")
     max_tokens: int = option(4096, "AWQ measures the error on at most this many calibration tokens", lo=1)
+    clip: bool = option(False, "AWQ auto-clip: after smoothing, clip each 16-block's weights to r * its amax, r "
+                        "searched against the NVFP4 output error (awq_clip)")
+    clip_grid: int = option(20, "AWQ auto-clip ratios 1 - i / clip-grid", lo=1, hi=1000)
+    clip_max_shrink: float = option(0.5, "AWQ auto-clip: ratios down to 1 - clip-max-shrink (exclusive)", lo=0.0,
+                                    hi=1.0, hi_open=True)
+    clip_qk: bool = option(False, "AWQ auto-clip also clips q / k projections (AutoAWQ skips them)")
 
     def __post_init__(self):
         check_options(self)
 
 
+# the last name component of the Linears auto-clip leaves alone unless clip_qk (AutoAWQ's q / k skip:
+# their error passes through softmax(q k^T); fused q/k/v projections hold q and k rows)
+QK_NAMES = ("q_proj", "k_proj", "wq", "wk", "query", "key", "qkv_proj", "Wqkv", "c_attn", "query_key_value")
+
+
 class AWQ(PTQMethod):
-    """Grid-searched smoothing scales per group (W4A4: against quantized activations too), folded; then RTN."""
+    """Grid-searched smoothing scales per group (W4A4: against quantized activations too), folded; then RTN
+    (with ``clip``: of each Linear's auto-clipped weights, ``awq_clip``, scored on the statistics recorded
+    again after folding, so ``quantizes_with_statistics`` is then on)."""
 
     name = "awq"
     Options = AWQOptions
     flag_prefix = "awq"
     quantizes_fused_experts = True
 
+    def __init__(self, options=None):
+        super().__init__(options)
+        if self.options.clip:
+            self.quantizes_with_statistics = True  # the clip search reads the smoothed layer's inputs
+        self._clip_context = None  # (schemes, weight_spec, act_scale_rule, linear names) of the current layer
+
     def check_layer(self, layer, name: str) -> None:
         check_smoothable(layer, name, self.name)
+
+    def _clip_input_quantizer(self, stats):
+        """(clip?, the W4A4 input quantizer or None) for the Linear of ``stats``."""
+        ctx = self._clip_context
+        if ctx is None or stats is None or stats.name not in ctx[3] or not stats.tokens:
+            return False, None  # not a Linear of the layer just transformed (an expert's projection, ...)
+        if not self.options.clip_qk and stats.name.rpartition(".")[2] in QK_NAMES:
+            return False, None
+        schemes, spec, act_rule = ctx[0], ctx[1], ctx[2]
+        scheme = schemes.get(stats.name) if schemes else None
+        if scheme is not None:
+            return True, input_quantizer(scheme, stats.amax)
+        if act_rule is None:
+            return True, None
+        enc = input_encode_scale(stats.amax, act_rule)
+        act = NVFP4(scale_rule=act_rule)
+        return True, lambda x: fake_quantize(x, act, encode_scale=enc.to(x.device), check_finite=False)
+
+    def quantize_weight(self, weight, stats, spec, encode_scale) -> QuantizedWeight:
+        if not self.options.clip or not clip_supported(spec):
+            return super().quantize_weight(weight, stats, spec, encode_scale)
+        clip, aq = self._clip_input_quantizer(stats)
+        if not clip:
+            return super().quantize_weight(weight, stats, spec, encode_scale)
+        o = self.options
+        res = awq_clip_search(weight, stats.sample(), spec, encode_scale, act_quantizer=aq, n_grid=o.clip_grid,
+                              max_shrink=o.clip_max_shrink, max_tokens=o.max_tokens)
+        return QuantizedWeight(rtn_quantize(res.weight, spec, encode_scale), latent=res.weight)
 
     def statistics(self) -> StatisticsRequest:
         return StatisticsRequest(sample_tokens=self.options.max_tokens)
 
     def transform_layer(self, layer) -> dict[str, float]:
         o = self.options
+        self._clip_context = (layer.schemes, layer.weight_spec, layer.act_scale_rule, frozenset(layer.linears))
 
         names = {id(m): n for n, m in layer.linears.items()}
 
@@ -428,4 +477,4 @@ class AWQ(PTQMethod):
         return smooth_layer(layer, self.name, choose, choose_parts)
 
 
-__all__ = ["AWQ", "AWQOptions", "AWQResult", "S_MAX", "S_MIN", "awq_scales", "awq_search", "awq_search_parts"]
+__all__ = ["AWQ", "AWQOptions", "AWQResult", "QK_NAMES", "S_MAX", "S_MIN", "awq_scales", "awq_search", "awq_search_parts"]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .groups import FLOAT_DTYPES, SmoothingGroup, check_norm_absorbs_scales
+from .slices import WeightSlice, _set_, divide_rows
 
 
 def check_scales(s, K: int, what: str = "s") -> torch.Tensor:
@@ -28,15 +29,16 @@ def check_scales(s, K: int, what: str = "s") -> torch.Tensor:
     return s
 
 
-def _set_(p: torch.Tensor, value_fp32: torch.Tensor) -> None:
-    p.copy_(value_fp32.to(p.dtype))
-
-
-def divide_norm(norm: nn.Module, s: torch.Tensor) -> None:
+def divide_norm(norm: nn.Module, s: torch.Tensor, offset: float = 0.0) -> None:
     """A norm's per-channel weight (and bias) divided by ``s`` in FP32, stored back in their dtype: its
-    output divided by s (``check_norm_absorbs_scales`` says it may)."""
+    output divided by s (``check_norm_absorbs_scales(norm, offset)`` says it may). With ``offset`` c (a
+    ``f(x) * (c + weight)`` norm, Gemma's c = 1): weight' = (c + weight) / s - c, so c + weight' is
+    (c + weight) / s up to the rounding of weight' in its dtype (see ``fold_smoothing``)."""
     sd = s.to(norm.weight.device)
-    _set_(norm.weight, norm.weight.float() / sd)
+    if offset == 0:
+        _set_(norm.weight, norm.weight.float() / sd)
+    else:
+        _set_(norm.weight, (norm.weight.float() + offset) / sd - offset)
     bias = getattr(norm, "bias", None)
     if isinstance(bias, torch.Tensor):
         _set_(bias, bias.float() / sd)
@@ -45,24 +47,31 @@ def divide_norm(norm: nn.Module, s: torch.Tensor) -> None:
 def fold_smoothing(group: SmoothingGroup, s: torch.Tensor) -> None:
     """Fold per-input-channel scales ``s`` [K] into ``group`` in place: the consumers' weight columns
     are multiplied by s (``W[:, j] *= s[j]``) and the producer's output divided by s (a norm's weight
-    and bias per channel; a prev linear's output rows and bias). Computed in FP32, then cast back to
-    each parameter's dtype, so the full-precision function is unchanged up to that rounding.
+    and bias per channel, ``group.norm_offset`` c: (c + weight) / s - c; a prev linear's output rows and
+    bias; a ``WeightSlice`` prev: those rows and their bias entries). Computed in FP32, then cast back to
+    each parameter's dtype, so the full-precision function is unchanged up to that rounding: 2^-24
+    relative per weight in FP32 for W * s, weight / s and rows / s. For c != 0 the stored weight' =
+    (c + w) / s - c carries an absolute rounding error of u |weight'| (u: 2^-24 FP32, 2^-8 BF16), so the
+    norm's effective gain g' = (c + w) / s is off by u |g' - c| / |g'| relatively: ~u while g' is of the
+    order of c, but up to u c / |g'| where s shrinks g' far below c (BF16, g' = 0.01: ~40%).
     """
     if not isinstance(group, SmoothingGroup):
         raise TypeError(f"group must be a SmoothingGroup, got {type(group).__name__}")
     K = group.in_features
     s = check_scales(s, K)
     prev = group.prev
-    if not isinstance(prev, nn.Linear):
-        check_norm_absorbs_scales(prev)  # before touching anything
+    if not isinstance(prev, (nn.Linear, WeightSlice)):
+        check_norm_absorbs_scales(prev, group.norm_offset)  # before touching anything
     with torch.no_grad():
-        if isinstance(prev, nn.Linear):
+        if isinstance(prev, WeightSlice):
+            divide_rows(prev, s)
+        elif isinstance(prev, nn.Linear):
             sd = s.to(prev.weight.device)
             _set_(prev.weight, prev.weight.float() / sd[:, None])
             if prev.bias is not None:
                 _set_(prev.bias, prev.bias.float() / sd)
         else:
-            divide_norm(prev, s)
+            divide_norm(prev, s, group.norm_offset)
         for lin in group.linears:
             sd = s.to(lin.weight.device)
             _set_(lin.weight, lin.weight.float() * sd)

@@ -20,7 +20,9 @@ from ..finite import non_finite_error
 from ..statistics import InputStatistics
 from .fold import fold_smoothing
 from .groups import SmoothingGroup
-from .moe import MoESmoothingGroup, WeightSlice, fold_moe_smoothing, gpt_oss_expert_output, layer_smoothing_groups
+from .families import layer_smoothing_groups
+from .moe import MoESmoothingGroup, fold_moe_smoothing, gpt_oss_expert_output
+from .slices import WeightSlice
 
 
 def check_folded(modules, method: str) -> None:
@@ -62,7 +64,7 @@ def _smooth_linears(layer, method, choose, group, linear_names, alphas) -> None:
     except ValueError as err:
         raise QuantizationError(f"{', '.join(names)}: method={method!r} smoothing failed: {err}") from err
     layer_prefix = names[0][: len(names[0]) - len(group.linear_names[0])]
-    check_folded([*zip(names, group.linears), (layer_prefix + group.prev_name, group.prev)], method)
+    check_folded([*zip(names, group.linears), (layer_prefix + group.prev_name, group.prev_module)], method)
     for n in names:
         alphas[n] = alpha
 
@@ -155,7 +157,7 @@ def smooth_layer(layer, method: str, choose: Callable, choose_parts: Optional[Ca
 
 
 def check_smoothable(layer, name: str, method: str) -> None:
-    """QuantizationError naming the layer when ``find_smoothing_groups`` does not understand it."""
+    """QuantizationError naming the layer when no smoothing family (``families``) understands it."""
     try:
         layer_smoothing_groups(layer)
     except (NotImplementedError, ValueError) as err:

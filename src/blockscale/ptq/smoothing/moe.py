@@ -1,5 +1,5 @@
-"""Smoothing groups of MoE decoder layers (and of DeepSeek's MLA attention), where ``groups`` knows only
-dense Llama-style layers.
+"""Smoothing groups of MoE decoder layers (and of DeepSeek's MLA attention): the "moe" family of
+``families.SMOOTHING_FAMILIES`` routes its layers here (the dense families' groups are table rows).
 
 Layers: ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and an MLP block (``mlp`` or
 ``block_sparse_moe``) that is either a dense gated MLP (gate/up/down, or w1/w3/w2 nn.Linear) or an MoE
@@ -44,64 +44,18 @@ from torch import nn
 
 from ...nn.nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
 from ...nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
-from .fold import _set_, check_scales, divide_norm
-from .groups import FLOAT_DTYPES, SmoothingGroup, check_norm_absorbs_scales, find_smoothing_groups
+from .fold import check_scales, divide_norm
+from .groups import FLOAT_DTYPES, SmoothingGroup, check_norm_absorbs_scales
+from .slices import WeightSlice, _set_, divide_rows
 
 _GATED = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _MLP_BLOCKS = ("mlp", "block_sparse_moe")
 _SHARED = ("shared_expert", "shared_experts")
 _ROUTERS = ("gate", "router")
-_PROJ_OF = {"gate_up_proj": "gate_up", "down_proj": "down"}
 MLA_O_PROJ_NOTE = ("o_proj not smoothed: kv_b_proj's rows are not num_heads x (qk_nope_head_dim + v_head_dim) "
                    "with o_proj reading num_heads x v_head_dim (the value rows it would fold into)")
 GPT_OSS_DOWN_NOTE = ("down_proj not smoothed: gpt-oss's GLU (clamp(up, -limit, limit) + 1) * glu(gate) is not "
                      "linear in up (clamp(up / s) + 1 != (clamp(up) + 1) / s), so 1 / s cannot be folded into up")
-
-
-@dataclass(frozen=True)
-class WeightSlice:
-    """A 2-D weight [N, K] read from a module: ``module.<param>`` (an nn.Linear's or a router's weight),
-    or expert ``expert``'s matrix of a fused 3-D parameter, optionally only its rows ``rows``
-    (``gate_up_proj[e, I:]``: expert e's up rows). ``transposed``: the expert's matrix is stored in x @ W
-    layout [K, N] (gpt-oss's ``gate_up_proj[e]`` [H, 2I]) and read as its transpose [N, K]; ``rows`` and
-    ``index`` then pick rows of that transpose. ``tensor()`` is a view: writing it writes the parameter."""
-
-    module: nn.Module
-    param: str = "weight"
-    expert: Optional[int] = None
-    rows: Optional[tuple[int, int]] = None
-    index: Optional[tuple[int, ...]] = None  # rows picked one by one (MLA: kv_b_proj's value rows)
-    transposed: bool = False
-
-    def _base(self) -> torch.Tensor:
-        t = getattr(self.module, self.param)
-        if self.expert is not None:
-            t = t[self.expert]
-        return t.transpose(-2, -1) if self.transposed else t
-
-    def tensor(self) -> torch.Tensor:
-        """The slice (a view, except with ``index``: a copy; write it back with ``write``)."""
-        t = self._base()
-        if self.rows is not None:
-            t = t[self.rows[0]:self.rows[1]]
-        if self.index is not None:
-            t = t[torch.tensor(self.index, device=t.device)]
-        return t
-
-    def write(self, value_fp32: torch.Tensor) -> None:
-        """Store ``value_fp32`` (shaped like ``tensor()``) into the parameter, cast to its dtype."""
-        if self.index is None:
-            _set_(self.tensor(), value_fp32)
-            return
-        t = self._base()
-        if self.rows is not None:
-            t = t[self.rows[0]:self.rows[1]]
-        t[torch.tensor(self.index, device=t.device)] = value_fp32.to(t.dtype)
-
-    @property
-    def proj(self) -> Optional[str]:
-        """"gate_up" / "down" for a fused expert slice, else None."""
-        return _PROJ_OF.get(self.param) if self.expert is not None else None
 
 
 @dataclass(frozen=True)
@@ -159,17 +113,7 @@ def fold_moe_smoothing(group: MoESmoothingGroup, s: torch.Tensor) -> None:
         check_norm_absorbs_scales(prev)  # before touching anything
     with torch.no_grad():
         if isinstance(prev, WeightSlice):
-            rows = prev.tensor()
-            prev.write(rows.float() / s.to(rows.device)[:, None])
-            bias = getattr(prev.module, "bias", None) if prev.param == "weight" else None
-            if isinstance(bias, torch.Tensor):  # an nn.Linear's picked output rows: their bias too
-                idx = torch.tensor(prev.index, device=bias.device) if prev.index is not None else None
-                b = bias[idx] if idx is not None else bias[prev.rows[0]:prev.rows[1]] if prev.rows else bias
-                val = (b.float() / s.to(bias.device)).to(bias.dtype)
-                if idx is not None:
-                    bias[idx] = val
-                else:
-                    b.copy_(val)
+            divide_rows(prev, s)
         else:
             divide_norm(prev, s)
         for c in group.consumers:
@@ -365,19 +309,5 @@ def find_moe_smoothing_groups(layer: nn.Module) -> tuple[list, list[str]]:
     return [*attn_groups, *mlp_groups], notes
 
 
-def layer_smoothing_groups(layer: nn.Module) -> tuple[list, list[str]]:
-    """The groups of any decoder layer smoothing supports: ``find_smoothing_groups`` (dense Llama-style),
-    else ``find_moe_smoothing_groups``; with the notes on what stays unsmoothed. NotImplementedError
-    giving both reasons otherwise."""
-    try:
-        return find_smoothing_groups(layer), []
-    except NotImplementedError as err:
-        dense = str(err)
-    try:
-        return find_moe_smoothing_groups(layer)
-    except NotImplementedError as err:
-        raise NotImplementedError(f"{dense}; MoE / MLA layout: {err}") from None
-
-
 __all__ = ["Consumer", "GPT_OSS_DOWN_NOTE", "MLA_O_PROJ_NOTE", "MoESmoothingGroup", "WeightSlice",
-           "find_moe_smoothing_groups", "fold_moe_smoothing", "gpt_oss_expert_output", "layer_smoothing_groups"]
+           "find_moe_smoothing_groups", "fold_moe_smoothing", "gpt_oss_expert_output"]

@@ -4,6 +4,7 @@
     scales.py       outer scale <-> amax, shared / group outer scales, encode-scale validation, block scales
     encode.py       encode with given scales (RNE / SR), reconstruct, per-block error of a candidate, 4-over-6
     sweep.py        the "sweep" rule (reference loop and all-candidates-at-once)
+    weighted.py     Hessian-aware block scales (d-weighted sweep / 4-over-6; the pruned exact sweep)
     input_scale.py  the calibrated activation encode scale
     quantize.py     quantize_nvfp4 / dequantize_nvfp4: reference (eager), compiled and Triton paths
     storage.py      the QuantizedTensor layout
@@ -19,6 +20,7 @@ from .scales import (BLOCK, FLT_MAX, FLT_MIN_NORMAL, amax_of_outer_scale, block_
 from .spec import NVFP4, NVFP4_ERRORS, NVFP4_OUTERS, NVFP4_SCALE_RULES
 from .storage import check_nvfp4_fields, nvfp4_layout
 from .sweep import sweep_block_scales, sweep_blocks, sweep_finish, sweep_init, sweep_step
+from .weighted import WEIGHTED_RULES, check_channel_weights, quantize_weighted, weighted_block_scales
 
 NVFP4_FORMAT = register(Format(
     name="nvfp4",
@@ -40,5 +42,6 @@ __all__ = [
     "e4m3_positive_values", "e4m3_scale", "encode_blocks", "encode_multiplier", "encode_scale_tensor",
     "group_amax", "input_encode_scale", "nvfp4_layout", "outer_scale", "outer_scales", "quantize_nvfp4", "reciprocal_fixed_point",
     "reconstruct_blocks", "rounded_magnitudes", "shared_outer_scale", "sweep_block_scales", "sweep_blocks",
-    "sweep_finish", "sweep_init", "sweep_step", "triton_supports",
+    "sweep_finish", "sweep_init", "sweep_step", "triton_supports", "WEIGHTED_RULES", "check_channel_weights",
+    "quantize_weighted", "weighted_block_scales",
 ]

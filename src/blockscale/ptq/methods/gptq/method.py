@@ -2,7 +2,9 @@
 (``gptq_quantize``, with the group's outer scale) or FP8 / MX (``gptq_fixed_grid``: fixed scales).
 Fused 3-D MoE experts (``ptq.fused_experts``): one Hessian per expert and projection (gate/up input:
 the hidden states routed to the expert, or all with ``calibrate_all_experts``; down input: its
-act(gate) * up), each expert's [2I, H] / [H, I] weight GPTQ'd with its outer scale."""
+act(gate) * up), each expert's [2I, H] / [H, I] weight GPTQ'd with its outer scale. ``true_sequential``:
+the layer's Linears in dataflow stages, each stage's Hessians recorded after the earlier stages are
+quantized (``sequential``; quantize_model asks ``quantize_stages``)."""
 from __future__ import annotations
 
 from ....quant import NVFP4
@@ -11,6 +13,7 @@ from ...statistics import StatisticsRequest
 from .algorithm import gptq_quantize
 from .fixed_grid import gptq_fixed_grid
 from .options import GPTQOptions
+from .sequential import check_true_sequential, dataflow_stages
 
 
 class GPTQ(PTQMethod):
@@ -27,6 +30,16 @@ class GPTQ(PTQMethod):
 
     def statistics(self) -> StatisticsRequest:
         return StatisticsRequest(hessian=True)
+
+    def check_layer(self, layer, name: str) -> None:
+        if self.options.true_sequential:
+            check_true_sequential(layer, name)
+
+    def quantize_stages(self, layer, linears, inputs, device):
+        """With ``true_sequential``: the layer's Linears in dataflow stages (``sequential.dataflow_stages``)."""
+        if not self.options.true_sequential or not linears:
+            return None
+        return dataflow_stages(layer, linears, inputs, device)
 
     def quantize_weight(self, weight, stats, spec, encode_scale) -> QuantizedWeight:
         H = stats.H if stats is not None else None

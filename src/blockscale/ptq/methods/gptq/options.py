@@ -19,6 +19,9 @@ class GPTQOptions:
     four_over_six: for ``scale_rule="4over6"``: "aware" (choose 4 or 6 per block by the GPTQ loss
       inside the loop) or "plain" (the 4/6 rule on the group's current weights). Ignored for
       other rules, and for static groups (plain 4/6 on the original weights).
+    true_sequential: quantize_model quantizes each decoder layer's Linears stage by stage (fused groups in
+      dataflow order), each stage's Hessian recorded from the layer with the earlier stages already
+      quantized (``ptq.methods.gptq.sequential``); MoE layers are refused.
     FP8 / MX Linears of a mixed recipe (``gptq_fixed_grid``) take damp, block_size (rounded up to whole
     32-column MX groups), act_order and static_groups; four_over_six applies to NVFP4 Linears only.
     """
@@ -29,6 +32,8 @@ class GPTQOptions:
     static_groups: bool = option(False, "GPTQ fixes every block scale up front from the original weights")
     four_over_six: str = option("aware", "with --scale-rule 4over6: choose 4 or 6 inside the GPTQ loop (aware) "
                                 "or by block error (plain)", choices=FOUR_OVER_SIX_MODES, flag="4over6")
+    true_sequential: bool = option(False, "GPTQ quantizes a layer's Linears in dataflow order, each one's Hessian "
+                                   "recorded with the previous ones quantized (not for MoE layers)")
 
     def __post_init__(self):
         check_options(self)
