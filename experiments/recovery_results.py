@@ -47,39 +47,54 @@ STARTS = {
 }
 # the pipeline's PTQ start: the candidate with the lowest perplexity in this run, per model and activations
 # (the best methods of docs/results/ptq.md and the Hessian-aware rule of docs/ptq.md)
-CANDIDATES = {"smollm2-135m": {"w4a16": ("RTN hessian",), "w4a4": ("RTN hessian", "AWQ+4/6")},
+CANDIDATES = {"smollm2-135m": {"w4a16": ("RTN hessian",), "w4a4": ("AWQ+4/6",)},
               "stories260k": {"w4a16": ("GPTQ+4/6 (aware)", "RTN hessian"), "w4a4": ("GPTQ+4/6 (aware)", "RTN hessian")}}
 
-# learned-scale runs: (key, start ("best" or a STARTS label), settings, milestones, activations or None for all)
-PIPELINE = dict(mode="tied", param="log", dual_form="pair", lr=0.01, schedule="cosine", warmup=10)
+# learned-scale runs: (key, start ("best" or a STARTS label), settings, milestones, activations or None for all).
+# The pipeline's scale learning: dual scales with the pre amaxes frozen (codes from the PTQ scales, learned value
+# scales; the dual fix of docs/lsq.md), log units, cosine lr with 10 warm-up steps.
+PIPELINE = dict(mode="dual", param="log", dual_form="pair", lr=0.01, schedule="cosine", warmup=10, lr_pre_factor=0.0)
+TIED = dict(PIPELINE, mode="tied", lr_pre_factor=1.0)
 RUNS = [
     ("pipeline", "best", PIPELINE, (50, 100, 200), None),
-    ("from RTN", "RTN-6", PIPELINE, (50, 200), None),
+    ("tied", "best", TIED, (50, 100, 200), None),
+    ("from RTN, tied", "RTN-6", TIED, (50, 200), None),
+    ("from RTN, dual pre frozen", "RTN-6", PIPELINE, (50, 200), None),
     # 50-step comparisons from the best PTQ start (each its own 50-step schedule)
-    ("tied, log, cosine", "best", PIPELINE, (50,), None),
-    ("tied, log, constant lr", "best", dict(PIPELINE, schedule="constant", warmup=0), (50,), None),
-    ("tied, raw amax (write-up units), cosine", "best", dict(PIPELINE, param="amax", lr=3e-3), (50,), None),
-    ("dual pair (write-up), log", "best", dict(PIPELINE, mode="dual"), (50,), None),
-    ("dual ratio, log", "best", dict(PIPELINE, mode="dual", dual_form="ratio"), (50,), None),
-    ("dual pair, pre frozen (the fix), log", "best", dict(PIPELINE, mode="dual", lr_pre_factor=0.0), (50,), None),
+    ("dual pair, pre frozen (the fix), log", "best", PIPELINE, (50,), None),
+    ("tied, log, cosine", "best", TIED, (50,), None),
+    ("tied, log, constant lr", "best", dict(TIED, schedule="constant", warmup=0), (50,), None),
+    ("tied, raw amax (write-up units), cosine", "best", dict(TIED, param="amax", lr=3e-3), (50,), None),
+    ("dual pair (write-up), log", "best", dict(PIPELINE, lr_pre_factor=1.0), (50,), None),
+    ("dual ratio, log", "best", dict(PIPELINE, dual_form="ratio", lr_pre_factor=1.0), (50,), None),
 ]
 # W4A4 only: the activation outer scales learned too (lsq.enable(learn_input_scales=True))
-W4A4_RUNS = [("tied, log, cosine, learned input scales", "best", dict(PIPELINE, learn_input_scales=True), (50,))]
-LR_SWEEP = (0.003, 0.01, 0.03)  # tied, log, cosine, 50 steps, W4A16 (the default's evidence)
+W4A4_RUNS = [("dual pre frozen, learned input scales", "best", dict(PIPELINE, learn_input_scales=True), (50,))]
+# SmolLM2 (time): W4A16 all but these; W4A4 only the pipeline and the learned input scales (--all: everything)
+SMOLLM2_SKIP_W4A16 = ("tied", "from RTN, dual pre frozen", "tied, log, constant lr", "dual ratio, log")
+LR_SWEEP = (0.003, 0.01, 0.03)  # the pipeline's settings, 50 steps, W4A16 (the default's evidence)
 
 
 def _ppl(model, lm, spec, d) -> float:
     return evaluate_ppl(model, lm.tokenizer, spec["eval"], spec["ctx"], d.bos, spec["eval_tokens"]).ppl
 
 
+_CACHE: dict = {}  # (start, acts) -> (quantized model, seconds, latent): each PTQ runs once per process
+
+
 def _quantized(lm, start: str, acts: str, spec, d):
+    if (start, acts) in _CACHE:
+        qm, sec, latent = _CACHE[(start, acts)]
+        return copy.deepcopy(qm), sec, latent
     student = copy.deepcopy(lm.model)
     cfg = PTQConfig(activations=acts, n_samples=spec["calib_samples"], seq_len=spec["calib_seq_len"],
                     skip_indivisible=spec["skip_indivisible"], **STARTS[start])
     t = time.time()
     latent = {}
     calibrate_and_quantize(student, lm.tokenizer, cfg, d.calib, d.calib_bos, progress=False, latent_weights=latent)
-    return student, time.time() - t, latent
+    sec = time.time() - t
+    _CACHE[(start, acts)] = (copy.deepcopy(student), sec, latent)
+    return student, sec, latent
 
 
 def _dirname(key: str) -> str:
@@ -158,15 +173,16 @@ def run_all(args) -> None:
         for name, start, s, milestones, only in RUNS + extra:
             if (only and acts not in only) or (args.only and name not in args.only):
                 continue
-            if args.model == "smollm2-135m" and acts == "w4a4" and name not in ("pipeline",) \
-                    and not name.endswith("learned input scales") and not args.all:
-                continue  # the 50-step comparisons on SmolLM2: W4A16 only (time), unless --all
+            if args.model == "smollm2-135m" and not args.all and (
+                    (acts == "w4a4" and name != "pipeline" and not name.endswith("learned input scales"))
+                    or (acts == "w4a16" and name in SMOLLM2_SKIP_W4A16)):
+                continue  # SmolLM2: fewer runs (time), unless --all
             st = best if start == "best" else start
             run_lsq(lm, spec, d, res, out, tokens, f"{name} [{st}] | {acts}", st, s, milestones, acts, args.model)
         if acts == "w4a16" and not args.only:
             for lr in LR_SWEEP:
                 if lr == PIPELINE["lr"]:
-                    continue  # that is "tied, log, cosine"
+                    continue  # that is "dual pair, pre frozen (the fix), log"
                 run_lsq(lm, spec, d, res, out, tokens, f"lr {lr:g} [{best}] | {acts}", best, dict(PIPELINE, lr=lr),
                         (50,), acts, args.model)
 
@@ -178,6 +194,12 @@ def best_start(res, model: str, acts: str) -> str:
 
 def _closed(ppl, rtn, fp):
     return 100.0 * (rtn - ppl) / (rtn - fp) if rtn != fp else float("nan")
+
+
+def _label(s: dict) -> str:
+    mode = "tied" if s["mode"] == "tied" else ("dual, pre frozen" if s.get("lr_pre_factor", 1.0) == 0 else
+                                               f"dual {s['dual_form']}")
+    return f"{mode}, {s['param']}, {s['schedule']}"
 
 
 def report(dirs, notes=None) -> str:
@@ -223,16 +245,19 @@ def report(dirs, notes=None) -> str:
                 if r is None:
                     continue
                 total += r["train_seconds_segment"]
-                lines.append(f"| + learned scales, step {m} of 200 | {r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | "
+                lines.append(f"| + learned scales ({_label(r['settings'])}), step {m} of 200 | {r['ppl']:.4f} | "
+                             f"{_closed(r['ppl'], rtn, fp):.0f}% | "
                              f"{total:.0f} s | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
-            for m in (50, 200):
-                r = res.get(f"from RTN [RTN-6] | {acts}@{m}")
-                if r is not None:
-                    lines.append(f"| RTN-6 + learned scales, step {m} of 200 | {r['ppl']:.4f} | "
-                                 f"{_closed(r['ppl'], rtn, fp):.0f}% | | |")
+            for run, st in (("tied", best), ("from RTN, tied", "RTN-6"), ("from RTN, dual pre frozen", "RTN-6")):
+                for m in (50, 100, 200):
+                    r = res.get(f"{run} [{st}] | {acts}@{m}")
+                    if r is not None:
+                        lines.append(f"| ({st} + learned scales ({_label(r['settings'])}), step {m} of 200) | "
+                                     f"{r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | | |")
             lines.append("")
             rows = [r for r in res.rows if r.get("activations") == acts and r.get("steps") == 50
-                    and r["run"] not in ("pipeline", "from RTN") and r.get("start") == best]
+                    and r["run"] not in ("pipeline", "tied", "from RTN, tied", "from RTN, dual pre frozen")
+                    and r.get("start") == best]
             if rows:
                 lines += [f"### {acts.upper()}: learned-scale variants, 50 steps from {best}", "",
                           "| variant | lr | ppl | gap closed | s/step | trainable | optimizer state |",

@@ -160,7 +160,7 @@ def test_learn_scales_cli_on_stories260k(tmp_path, capsys):
     from blockscale import cli
 
     out = tmp_path / "learned"
-    common = ["--skip-indivisible", "--steps", "6", "--n-samples", "16", "--seq-len", "64", "--lr-scales", "1e-3",
+    common = ["--skip-indivisible", "--steps", "6", "--n-samples", "16", "--seq-len", "64", "--lr-scales", "1e-2",
               "--eval", "tinystories#0:0.02"]
     assert cli.main(["learn-scales", "stories260k", "--mode", "dual", "--out", str(out)] + common) == 0
     rep = json.loads((out / "lsq_report.json").read_text())

@@ -10,7 +10,7 @@ import torch
 
 from blockscale import lsq
 from blockscale.lsq.quantizer import block_scales
-from blockscale.ptq import GPTQOptions, PTQConfig, quantize_model
+from blockscale.ptq import AWQOptions, GPTQOptions, PTQConfig, quantize_model
 
 transformers = pytest.importorskip("transformers")
 from tiny_models import tiny_hf_llama, token_ids  # noqa: E402
@@ -185,11 +185,12 @@ def test_steps_per_scale_step_in_log_units_is_the_same_on_every_model():
         assert lsq.steps_per_scale_step(raw, 0.01)[1] == pytest.approx(0.0625 * lsq.steps_per_scale_step(raw, 0.01)[0] / 0.01)
 
 
-@pytest.mark.parametrize("fields", [dict(method="awq", scale_rule="4over6"), dict(method="smoothquant")])
+@pytest.mark.parametrize("fields", [dict(method="awq", scale_rule="4over6"), dict(method="smoothquant"),
+                                    dict(method="awq", options=AWQOptions(clip=True, grid=4))])
 def test_latent_weights_from_ptq_keep_step0_exact(fields):
     """quantize_model(latent_weights=...) records the full-precision weights each Linear's codes are a rounding of
-    (AWQ / SmoothQuant: the smoothed weights), so scale learning re-rounds real values, not the rounded ones, and
-    step 0 is still the PTQ model bit for bit."""
+    (AWQ / SmoothQuant: the smoothed weights; with AWQ's clipping the clipped ones), so scale learning re-rounds
+    real values, not the rounded ones, and step 0 is still the PTQ model bit for bit."""
     teacher = tiny_hf_llama()
     student = copy.deepcopy(teacher)
     latent = {}

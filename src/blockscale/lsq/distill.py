@@ -252,6 +252,10 @@ class DistillTask:
         if cfg.lr_pre_factor != 1.0 or cfg.freeze_pre_steps:
             pre_ids = {id(p) for n, p in student.named_parameters() if n.rpartition(".")[2] in PRE_PARAMETER_NAMES}
         pre = [p for p in scales if id(p) in pre_ids]
+        if pre and cfg.lr_pre_factor == 0.0:  # frozen for good: no gradients, no optimizer state
+            for p in pre:
+                p.requires_grad_(False)
+            scales, pre = [p for p in scales if id(p) not in pre_ids], []
         self.groups = [{"params": [p for p in scales if id(p) not in pre_ids], "lr": cfg.lr_scales, "name": "scales",
                         "base_lr": cfg.lr_scales}]
         if pre:

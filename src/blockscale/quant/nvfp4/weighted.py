@@ -26,12 +26,13 @@ import torch
 from ...formats.e2m1 import pack_nibbles
 from ..block_error import tree_sum_terms
 from ..tensor import QuantizedTensor
-from .encode import block_outputs, encode_multiplier, reconstruct_blocks
-from .scales import BLOCK, amax_of_outer_scale, block_amax, block_scales, e4m3_positive_values, encode_scale_tensor
+from .encode import block_outputs, reconstruct_blocks
+from .scales import BLOCK, amax_of_outer_scale, block_amax, block_scales, encode_scale_tensor
 from .spec import NVFP4
+from .sweep_fast import fast_sweep_scales
 
 WEIGHTED_RULES = {"hessian": NVFP4(scale_rule="sweep"), "hessian-4over6": NVFP4(scale_rule="4over6", error="mse")}
-WEIGHTED_CHUNK = 1 << 21  # elements of one candidate tensor [C, rows, nb, 16]-equivalent per chunk
+WEIGHTED_CHUNK = 1 << 21  # elements of one [2, rows, nb, 16]-equivalent chunk (rule hessian-4over6)
 
 
 def check_channel_weights(d, k: int, device=None) -> torch.Tensor:
@@ -75,97 +76,21 @@ def _rows(Wm: torch.Tensor, S: torch.Tensor, d: torch.Tensor):
     return xb, S3, 1.0 / S3, d.reshape(nb, BLOCK), nb
 
 
-def _e2m1_abs(y: torch.Tensor) -> torch.Tensor:
-    """RNE onto the E2M1 magnitudes of FP32 0 <= y <= 6: round(y * m) / m with m = 2, 1, 1/2 below 2, 4, 6
-    (the same value as ``round_magnitude(y, E2M1)``: its exponent k = max(e(y), 0) - 1 picks the same
-    power-of-two step; every multiply by m is exact)."""
-    m = torch.where(y < 2.0, 2.0, torch.where(y < 4.0, 1.0, 0.5))
-    return torch.round(y * m) / m
-
-
-def _candidate_errors(ax: torch.Tensor, w: torch.Tensor, cs: torch.Tensor, inv_s: torch.Tensor) -> torch.Tensor:
-    """Weighted errors [C', b] of blocks with magnitudes ``ax`` [16, b] (position-major) and weights ``w``
-    [16, b] under candidate scales ``cs`` [C']: bit for bit ``weighted_block_error`` (the sign drops out:
-    (-A) - (-|x|) = -(A - |x|) exactly, the same square)."""
-    s = cs.view(-1, 1)
-    e = encode_multiplier(s, inv_s)  # [C', 1]
-    sv = s * 1.0
-    terms = []
-    for j in range(BLOCK):
-        y = torch.clamp(ax[j] * e, max=6.0)
-        dx = (_e2m1_abs(y) * sv) * inv_s - ax[j]
-        terms.append((dx * dx) * w[j])
-    return tree_sum_terms(terms)
-
-
-def _saturation_floor(a, w_m, err6, cand, inv_s):
-    """Per block, the highest candidate index c_lo (-1: none) such that no candidate <= c_lo can beat
-    scale-to-6: the block's max-|x| element (value a, weight w_m) saturates (a * e_c >= 6) with
-    x^ = fl(fl(6 c) / S) <= a there, and its term alone is >= err6. Exact: for every c' <= c_lo the element
-    still saturates, |x^ - a| only grows, and the FP32 tree sum of non-negative terms is >= any one term,
-    so err(c') >= err6 (never strictly lower). err6 == 0: every candidate is pruned (errors are >= 0)."""
-    C = cand.numel()
-    c = cand.view(C, 1)
-    inv = inv_s.reshape(())
-    e = encode_multiplier(c, inv)
-    y = a.view(1, -1) * e  # [C, B]
-    xh = (_e2m1_abs(torch.clamp(y, max=6.0)) * c) * inv
-    dx = xh - a.view(1, -1)
-    term = (dx * dx) * w_m.view(1, -1)
-    ok = (y >= 6.0) & (xh <= a.view(1, -1)) & (term >= err6.view(1, -1))
-    idx = torch.arange(C, device=a.device).view(C, 1)
-    c_lo = torch.where(ok, idx, torch.full_like(idx, -1)).amax(dim=0)
-    return torch.where(err6 == 0, torch.full_like(c_lo, C - 1), c_lo)
-
-
 def weighted_sweep_scales(Wm: torch.Tensor, S, d: torch.Tensor) -> torch.Tensor:
     """Rule "hessian": E4M3 block scales [N, nb] (FP32 values) of ``Wm`` [N, nb*16] with outer scale S, each
     the sweep candidate (126 positive E4M3 values) of least d-weighted error, ties as the sweep resolves them
     (keep scale-to-6 unless strictly lower; among equal errors the lowest candidate). d = ones gives exactly
     ``sweep_block_scales`` (the "sweep" rule).
 
-    Fast and exact: candidates that provably cannot beat scale-to-6 (``_saturation_floor``: the low ones,
-    where the block's largest element saturates) are skipped; the blocks are sorted by their first useful
-    candidate and each chunk evaluates the candidates from its lowest one up, with the very errors the
-    reference computes, so minimum and tie order are unchanged."""
+    Fast and exact (``sweep_fast.fast_sweep_scales``): the candidates whose term at the block's largest
+    element alone reaches the scale-to-6 error are skipped, the rest evaluated in cache-sized chunks with the
+    very errors the reference computes, so minimum and tie order are unchanged. d all ones skips the
+    multiply by 1 (exact)."""
     N, K = Wm.shape
     d = check_channel_weights(d, K, Wm.device)
-    xb, S3, inv_s, wb, nb = _rows(Wm, S, d)
-    B = N * nb
-    xf = xb.reshape(B, 1, BLOCK)
-    wf = wb.unsqueeze(0).expand(N, nb, BLOCK).reshape(B, 1, BLOCK)
-    cand = e4m3_positive_values().to(Wm.device)
-    C = cand.numel()
-    s6 = block_scales(block_amax(xf), S3, 6)  # [B, 1, 1]
-    err6 = torch.empty(B, dtype=torch.float32, device=Wm.device)
-    c_lo = torch.empty(B, dtype=torch.int64, device=Wm.device)
-    step0 = max(1, WEIGHTED_CHUNK // (C * BLOCK // 4))
-    for b0 in range(0, B, step0):
-        sl = slice(b0, b0 + step0)
-        x = xf[sl]
-        err6[sl] = weighted_block_error(x, s6[sl], inv_s, wf[sl]).reshape(-1)
-        jm = x.abs().argmax(dim=-1, keepdim=True)  # [b, 1, 1]
-        a = x.abs().gather(-1, jm).reshape(-1)
-        c_lo[sl] = _saturation_floor(a, wf[sl].gather(-1, jm).reshape(-1), err6[sl], cand, inv_s)
-    out = s6.reshape(B).clone()
-    order = torch.argsort(c_lo, stable=True)
-    lo_sorted = c_lo[order]
-    todo = int((lo_sorted < C - 1).sum())  # blocks with a candidate left to try
-    b0 = 0
-    while b0 < todo:
-        first_c = int(lo_sorted[b0]) + 1
-        width = C - first_c
-        step = max(1, WEIGHTED_CHUNK // (width * BLOCK // 4))
-        rows = order[b0:min(b0 + step, todo)]
-        cs = cand[first_c:]
-        ax = xf[rows].reshape(-1, BLOCK).abs().T.contiguous()  # [16, b]
-        err = _candidate_errors(ax, wf[rows].reshape(-1, BLOCK).T.contiguous(), cs, inv_s.reshape(()))
-        best = err.amin(dim=0)
-        idx = torch.arange(width, device=Wm.device).view(width, 1)
-        first = torch.where(err == best, idx, torch.full_like(idx, width)).amin(dim=0)
-        out[rows] = torch.where(best < err6[rows], cs[first], s6.reshape(B)[rows])
-        b0 += rows.numel()
-    return out.reshape(N, nb)
+    xb, S3, _, wb, nb = _rows(Wm, S, d)
+    wf = None if bool((d == 1).all()) else wb.unsqueeze(0).expand(N, nb, BLOCK).reshape(N * nb, BLOCK)
+    return fast_sweep_scales(xb.reshape(N * nb, BLOCK), S3.reshape(()), wf).reshape(N, nb)
 
 
 def weighted_4over6_scales(Wm: torch.Tensor, S, d: torch.Tensor) -> torch.Tensor:
