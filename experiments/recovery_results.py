@@ -1,17 +1,23 @@
 """Recovering the 4-bit loss: how much of the RTN -> full-precision perplexity gap each stage of the
 pipeline closes (PTQ, then learned block scales at 50 / 100 / 200 steps), W4A16 and W4A4, and the same for
-the learned-scale variants (tied vs dual, raw vs log amax units, constant vs cosine lr).
+the learned-scale variants (tied vs dual, raw vs log amax units, constant vs cosine lr, learning rates,
+learned W4A4 input scales).
 
     python experiments/recovery_results.py --model stories260k --out runs/recovery-stories260k      # resumable
-    python experiments/recovery_results.py --model smollm2-135m --out runs/recovery-smollm2
+    python experiments/recovery_results.py --model smollm2-135m --out runs/recovery-smollm2 --only pipeline \
+        --activations w4a16       # and --activations w4a4 (the other SmolLM2 runs: drop --only; --all: all)
     python experiments/recovery_results.py --report-only runs/recovery-smollm2 runs/recovery-stories260k \
         --notes docs/results/recovery-reading.md > docs/results/recovery.md
 
-Evaluation: SmolLM2 on the first 40 windows of WikiText-2 test at ctx 1024; stories260K on the held-out
-TinyStories split (``tinystories#0:0.8``, ctx 512). Calibration and scale-learning text: C4 (SmolLM2) /
-``tinystories#0.8:1`` (stories260K), disjoint from the evaluation text. Every result is one JSON line in
-OUT/results.jsonl; a rerun skips what is there, and a learned-scale run resumes from its last milestone
-(``lsq.distill(..., resume=True)``: exact). Gap closed = (ppl_RTN - ppl) / (ppl_RTN - ppl_fp).
+The pipeline: the best PTQ start among ``CANDIDATES`` (lowest perplexity in the run), then scale learning
+with dual scales whose pre amaxes stay at the PTQ scales (only the value scales learn: the dual fix of
+docs/lsq.md), log units, lr 1e-2, cosine with 10 warm-up steps, one 200-step schedule evaluated at 50 / 100 /
+200; latent weights from ``quantize_model(latent_weights=...)`` / ``lsq.exact_latent_weights``.
+Evaluation: SmolLM2 on the first 40 windows of WikiText-2 test at ctx 1024; stories260K on the first 128
+windows of 512 of the held-out TinyStories split (``tinystories#0:0.8``). Calibration and scale-learning
+text: C4 (SmolLM2) / ``tinystories#0.8:1`` (stories260K), disjoint from the evaluation text. Every result is
+one JSON line in OUT/results.jsonl; a rerun skips what is there, and a learned-scale run resumes from its
+last milestone (``lsq.distill(..., resume=True)``: exact). Gap closed = (ppl_RTN - ppl) / (ppl_RTN - ppl_fp).
 """
 from __future__ import annotations
 
@@ -264,7 +270,8 @@ def report(dirs, notes=None) -> str:
                           "|---|---:|---:|---:|---:|---:|---:|"]
                 for r in rows:
                     s = r["settings"]
-                    lines.append(f"| {r['run']} | {s['lr']:g} | {r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | "
+                    name = f"{_label(s)} (the pipeline's, another lr)" if r["run"].startswith("lr ") else r["run"]
+                    lines.append(f"| {name} | {s['lr']:g} | {r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | "
                                  f"{r['seconds_per_step']:.2f} | {r['trainable_params']:,} | "
                                  f"{r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
                 lines.append("")

@@ -36,7 +36,7 @@ def test_write_up_pipeline_on_stories260k(tmp_path, capsys):
     assert qcfg["kv_cache_scheme"]["num_bits"] == 8 and qcfg["format"] == "mixed-precision"
 
     capsys.readouterr()
-    assert cli.main(["learn-scales", str(a), "--teacher", "stories260k", "--steps", "3", "--n-samples", "8",
+    assert cli.main(["learn-scales", str(a), "--teacher", "stories260k", "--steps", "3", "--lr-scales", "0.1", "--n-samples", "8",
                      "--seq-len", "64", "--batch-size", "2", "--eval", EVAL, "--out", str(b)]) == 0
     rep = json.loads((b / "lsq_report.json").read_text())
     assert rep["distill"]["steps"] == 3

@@ -119,6 +119,8 @@ def _check_schedule_flags(args) -> None:
 def cmd_learn_scales(args) -> int:
     import copy
 
+    import torch
+
     from .. import lsq
     from ..export import export_checkpoint
     from ..models.hf import is_blockscale_checkpoint, load_model
@@ -164,6 +166,10 @@ def cmd_learn_scales(args) -> int:
             progress=show_progress(), latent_weights=latent), defaulted=args.skip_indivisible is None).to_dict()
         # the full-precision weights PTQ rounded (after AWQ / SmoothQuant folding) where they reproduce its codes
         # (RTN-like methods), else the dequantized ones (GPTQ): the step-0 model equals the PTQ model either way
+        for name, m in teacher_lm.model.named_modules():  # fused experts: the full-precision ones (RTN: exact)
+            for key in ("gate_up_proj", "down_proj"):
+                if isinstance(getattr(m, key, None), torch.Tensor) and getattr(m, key).dim() == 3:
+                    latent.setdefault(f"{name}.{key}", getattr(m, key).detach())
         weights, dequantized = lsq.exact_latent_weights(student_lm.model, latent)
         if dequantized:
             print(f"latent weights: {len(weights) - len(dequantized)} of {len(weights)} Linears start from the "

@@ -18,7 +18,7 @@ from torch import nn
 from ..nn.fused import fused_groups
 from ..nn.nvfp4_experts import NVFP4Experts
 from ..nn.nvfp4_linear import NVFP4Linear
-from .experts import LSQExperts, enable_experts, freeze_experts
+from .experts import LSQExperts, NVFP4ExpertsScaleLearner, enable_experts, freeze_experts
 from .parameterisation import SCALE_PARAMETER_NAMES, check_parameterisation
 from .input_scale import learned_input_quantize, learned_input_scale
 from .quantizer import LSQ_INITS, LSQ_MODES, NVFP4ScaleLearner
@@ -155,6 +155,8 @@ def exact_latent_weights(model: nn.Module, candidates: dict) -> tuple[dict, list
     ``quantize_model(..., latent_weights=d)``) when rounding it with the layer's stored block scales and outer
     scale reproduces the stored codes exactly (RTN-like methods: RTN, AWQ, SmoothQuant, any scale rule), else
     the layer's dequantized weight (GPTQ, whose codes are not a rounding of one weight; a missing name).
+    Fused experts (``NVFP4Experts`` NAME): the same for the keys ``NAME.gate_up_proj`` / ``NAME.down_proj`` (e.g. the
+    full-precision model's fused expert weights), as ``enable`` reads them.
     Returns ({name: FP32 weight}, the names that took the dequantized weight)."""
     if not isinstance(candidates, dict):
         raise TypeError(f"candidates must be a dict of {{name: weight}}, got {type(candidates).__name__}")
@@ -173,6 +175,21 @@ def exact_latent_weights(model: nn.Module, candidates: dict) -> tuple[dict, list
                 continue
         out[name] = m.dequantized_weight(torch.float32)
         fallback.append(name)
+    for name, m in model.named_modules():  # fused experts: keys NAME.gate_up_proj / NAME.down_proj
+        if not isinstance(m, NVFP4Experts):
+            continue
+        deq = m.dequantized(torch.float32)
+        for (key, proj), d in zip((("gate_up_proj", "gate_up"), ("down_proj", "down")), deq):
+            w = candidates.get(f"{name}.{key}")
+            if isinstance(w, torch.Tensor) and w.shape == d.shape and bool(torch.isfinite(w).all()):
+                S = getattr(m, f"{proj}_weight_global_scale")
+                learner = NVFP4ExpertsScaleLearner(w.to(S.device).float(), S)
+                learner.set_scales(getattr(m, f"{proj}_weight_scale"))
+                if torch.equal(learner.codes_and_scales()[0], getattr(m, f"{proj}_weight_packed")):
+                    out[f"{name}.{key}"] = w.detach().float()
+                    continue
+            out[f"{name}.{key}"] = d
+            fallback.append(f"{name}.{key}")
     return out, fallback
 
 
