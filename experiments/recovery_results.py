@@ -185,8 +185,8 @@ def run_all(args) -> None:
                 continue  # SmolLM2: fewer runs (time), unless --all
             st = best if start == "best" else start
             run_lsq(lm, spec, d, res, out, tokens, f"{name} [{st}] | {acts}", st, s, milestones, acts, args.model)
-        if acts == "w4a16" and not args.only:
-            for lr in LR_SWEEP:
+        if acts == "w4a16" and (not args.only or "lr" in args.only):
+            for lr in (args.lrs or LR_SWEEP):
                 if lr == PIPELINE["lr"]:
                     continue  # that is "dual pair, pre frozen (the fix), log"
                 run_lsq(lm, spec, d, res, out, tokens, f"lr {lr:g} [{best}] | {acts}", best, dict(PIPELINE, lr=lr),
@@ -195,7 +195,8 @@ def run_all(args) -> None:
 
 def best_start(res, model: str, acts: str) -> str:
     """The candidate PTQ start with the lowest recorded perplexity."""
-    return min(CANDIDATES[model][acts], key=lambda s: res.get(f"ptq {s} | {acts}")["ppl"])
+    done = [s for s in CANDIDATES[model][acts] if res.get(f"ptq {s} | {acts}") is not None]
+    return min(done, key=lambda s: res.get(f"ptq {s} | {acts}")["ppl"]) if done else None
 
 
 def _closed(ppl, rtn, fp):
@@ -242,6 +243,9 @@ def report(dirs, notes=None) -> str:
                 if r is not None and c != best:
                     lines.append(f"| (PTQ: {c}) | {r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | "
                                  f"{r['ptq_seconds']:.0f} s | |")
+            if best is None:
+                lines += [f"| (PTQ: {', '.join(CANDIDATES[meta['model']][acts])}: not run) | | | | |", ""]
+                continue
             if ptq:
                 lines.append(f"| PTQ: {best} | {ptq['ppl']:.4f} | {_closed(ptq['ppl'], rtn, fp):.0f}% | "
                              f"{ptq['ptq_seconds']:.0f} s | |")
@@ -287,6 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--activations", nargs="+", default=["w4a16", "w4a4"], choices=("w4a16", "w4a4"))
     ap.add_argument("--only", nargs="*", help="run names to run (e.g. pipeline)")
     ap.add_argument("--all", action="store_true", help="SmolLM2: the 50-step comparisons in W4A4 too")
+    ap.add_argument("--lrs", type=float, nargs="*", help=f"the learning-rate sweep (default {LR_SWEEP}; --only lr: "
+                                                          "just the sweep)")
     ap.add_argument("--report-only", nargs="+", metavar="DIR")
     ap.add_argument("--notes")
     args = ap.parse_args(argv)
