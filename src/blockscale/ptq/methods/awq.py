@@ -30,7 +30,7 @@ from ..protocol import PTQMethod, QuantizedWeight
 from ..scheme_quantize import group_weight_scale, input_quantizer, rtn_quantize
 from ..smoothing import FLOAT_DTYPES, check_smoothable, check_weights, smooth_layer
 from ..statistics import StatisticsRequest
-from .awq_clip import awq_clip_search, clip_supported
+from .awq_clip import awq_clip_search, clip_supported, subsample_rows
 
 # smoothing scales are kept in [S_MIN, S_MAX]: W * s and x / s then stay far from FP32 / BF16 limits
 S_MIN, S_MAX = 1e-4, 1e4
@@ -61,15 +61,6 @@ class AWQResult:
         if self.error == 0:
             return 1.0 if self.baseline_error == 0 else math.inf
         return self.baseline_error / self.error
-
-
-def _subsample_rows(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
-    """At most ``max_tokens`` rows, evenly spaced over x (deterministic, covers every sequence)."""
-    T = x.shape[0]
-    if T <= max_tokens:
-        return x
-    idx = torch.div(torch.arange(max_tokens, dtype=torch.int64) * T, max_tokens, rounding_mode="floor")
-    return x[idx.to(x.device)]
 
 
 def awq_scales(x_mean: torch.Tensor, w_mean: Optional[torch.Tensor], alpha: float) -> torch.Tensor:
@@ -182,7 +173,7 @@ def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: Optional[
     # statistics over every token (cheap), error on a deterministic subsample
     x_mean = x2.abs().float().mean(0)
     x_absmax = x2.abs().amax(0).float()
-    xs = _subsample_rows(x2, max_tokens).float()
+    xs = subsample_rows(x2, max_tokens).float()
     T = xs.shape[0]
     ws = [w.to(dev) for w in ws]
     W = torch.cat([w.float() for w in ws], 0)  # [N, K] reference weights
@@ -322,7 +313,7 @@ def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Opt
                 raise ValueError(f"{fn}: x contains NaN/inf")
             W = torch.cat([w.float() for w in ws], 0)
             all_w.append(W)
-            xs = _subsample_rows(x2, max_tokens).float()
+            xs = subsample_rows(x2, max_tokens).float()
             T = xs.shape[0]
             if x2.shape[0]:
                 a = x2.abs().double().sum(0)

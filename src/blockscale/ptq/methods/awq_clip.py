@@ -70,7 +70,8 @@ class ClipResult:
         return float((self.ratios < 1).float().mean()) if self.ratios.numel() else 0.0
 
 
-def _subsample_rows(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+def subsample_rows(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """At most ``max_tokens`` rows, evenly spaced over x (deterministic, covers every sequence)."""
     T = x.shape[0]
     if T <= max_tokens:
         return x
@@ -119,7 +120,7 @@ def awq_clip_search(weight: torch.Tensor, x: torch.Tensor, spec: NVFP4, encode_s
     S = encode_scale_tensor(encode_scale, device=weight.device)
     W = weight.detach()
     Wf = W.float()
-    xs = _subsample_rows(x.detach().reshape(-1, K).to(W.device), max_tokens).float()
+    xs = subsample_rows(x.detach().reshape(-1, K).to(W.device), max_tokens).float()
     T, nb = xs.shape[0], K // BLOCK
     ratios = clip_ratios(n_grid, max_shrink)
     if T == 0 or not bool(torch.isfinite(xs).all()):
@@ -168,4 +169,4 @@ def awq_clip_search(weight: torch.Tensor, x: torch.Tensor, spec: NVFP4, encode_s
                       baseline_error=float(e_rtn.sum()) / denom, candidates=ratios)
 
 
-__all__ = ["ClipResult", "awq_clip_search", "clip_ratios", "clip_supported"]
+__all__ = ["ClipResult", "awq_clip_search", "clip_ratios", "clip_supported", "subsample_rows"]
