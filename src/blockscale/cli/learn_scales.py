@@ -19,7 +19,9 @@ from .quantize import quantize_reported, skip_indivisible
 from ..errors import UsageError
 
 DEFAULT_LR_SCALES = 3e-3  # --param amax: docs/results/scale-learning.md
-DEFAULT_LR_SCALES_LOG = 1e-2  # --param log (the default): docs/results/recovery.md
+DEFAULT_LR_SCALES_LOG = 3e-3  # --param log (the default): lsq.RECOVERY_LR_SCALES, docs/results/recovery.md
+DEFAULT_LR_WEIGHTS = 5e-5  # --train all: lsq.RECOVERY_LR_WEIGHTS, docs/results/recovery.md
+DEFAULT_MODE = "dual"  # value scales on the PTQ grid (with DEFAULT_LR_PRE_FACTOR): docs/results/recovery.md
 DEFAULT_PARAM = "log"
 DEFAULT_SCHEDULE = "cosine"
 DEFAULT_LR_PRE_FACTOR = 0.0  # --mode dual: the pre amaxes (codes) stay at the PTQ scales (docs/lsq.md "Dual scales")
@@ -265,14 +267,19 @@ def add_learn_scales(sub) -> None:
     p.add_argument("--teacher-from-metadata", action="store_true",
                    help="use the source model named in the checkpoint's metadata as the teacher (only a built-in "
                         "or hub name, never a local path)")
-    p.add_argument("--mode", default="tied", choices=LSQ_MODES)
+    p.add_argument("--mode", default=DEFAULT_MODE, choices=LSQ_MODES,
+                   help="dual (default): codes on the grid of the pre amaxes, values scaled by the post amaxes (with the "
+                        "default --lr-pre-factor 0 the pre amaxes stay at the PTQ scales); tied: one amax per block for "
+                        "both (the write-up's default)")
     p.add_argument("--param", default=DEFAULT_PARAM, choices=LSQ_PARAMS,
                    help="units of the learned block amaxes: log (relative to the PTQ amax: one lr is the same relative "
                         "step on every model; default) or amax (raw, the write-up's)")
     p.add_argument("--dual-form", default="pair", choices=DUAL_FORMS,
                    help="with --mode dual: pair (independent pre / post amaxes, the write-up's) or ratio (post = pre * a "
                         "learned ratio)")
-    p.add_argument("--train", default="scales", choices=("scales", "all"), help="scales only, or weights too")
+    p.add_argument("--train", default="scales", choices=("scales", "all"),
+                   help="scales only (default), or the latent weights too (the recovery pipeline: --scale-rule hessian "
+                        "--train all; docs/results/recovery.md)")
     number(p, "--steps", int, lo=1, hi=MAX_STEPS, default=100)
     number(p, "--lr-scales", float, lo=0.0, lo_open=True, default=None,
            help=f"peak Adam learning rate of the block scales (default {DEFAULT_LR_SCALES_LOG:g} with --param log, "
@@ -288,7 +295,8 @@ def add_learn_scales(sub) -> None:
                 "docs/lsq.md)")
     number(p, "--freeze-pre-steps", int, lo=0, hi=MAX_STEPS, default=0,
            help="with --mode dual --dual-form pair: the pre amaxes stay frozen for the first N steps")
-    number(p, "--lr-weights", float, lo=0.0, default=1e-5)
+    number(p, "--lr-weights", float, lo=0.0, default=DEFAULT_LR_WEIGHTS,
+           help="peak Adam learning rate of the latent weights (raw units; used with --train all)")
     number(p, "--temperature", float, lo=0.0, lo_open=True, default=1.0)
     number(p, "--ce-weight", float, lo=0.0, default=0.0, help="weight of the next-token loss mixed into T^2 KL")
     number(p, "--batch-size", int, lo=1, hi=MAX_BATCH, default=4)
@@ -330,4 +338,4 @@ def add_learn_scales(sub) -> None:
     p.set_defaults(func=cmd_learn_scales)
 
 
-__all__ = ["DEFAULT_LR_SCALES", "DEFAULT_LR_SCALES_LOG", "default_lr_scales", "default_warmup", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]
+__all__ = ["DEFAULT_LR_SCALES", "DEFAULT_LR_SCALES_LOG", "DEFAULT_LR_WEIGHTS", "DEFAULT_MODE", "default_lr_scales", "default_warmup", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]

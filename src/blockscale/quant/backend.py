@@ -54,12 +54,13 @@ def use_backend(name: str):
         set_backend(old)
 
 
-def want_compiled(numel: int) -> bool:
-    """Whether the fast path should run for a tensor of ``numel`` elements."""
+def want_compiled(numel: int, min_numel: int = AUTO_MIN_NUMEL) -> bool:
+    """Whether the fast path should run for a tensor of ``numel`` elements ("auto": at least ``min_numel``;
+    kernels called again and again, such as scale learning's, pay for their compile at smaller sizes)."""
     if _state["compile_failed"]:
         return False
     b = _state["backend"]
-    return b == "compiled" or (b in ("auto", "triton") and numel >= AUTO_MIN_NUMEL)
+    return b == "compiled" or (b in ("auto", "triton") and numel >= min_numel)
 
 
 def triton_available() -> bool:
