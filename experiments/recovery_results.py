@@ -78,6 +78,8 @@ RUNS = [
     ("scales only", "pipeline", SCALES_ONLY, (50, 100, 200), {"stories260k/w4a16", "stories260k/w4a4"}),
     ("from RTN, learned scales and weights", "RTN-6", PIPELINE, (50, 200), {"stories260k/w4a16", "stories260k/w4a4"}),
     ("pipeline, batch 16", "RTN hessian", dict(PIPELINE, batch_size=16), (50, 200), {"stories260k/w4a4"}),
+    ("pipeline, 1 x 512-token windows", "RTN hessian", dict(PIPELINE, batch_size=1, seq_len=512), (50, 100, 200),
+     {"smollm2-135m/w4a16"}),
     # 50-step comparisons from the W4A16 / W4A4 (activations 6) start, each its own 50-step schedule
     ("scales only: dual pair, pre frozen (the fix), log", "RTN hessian", SCALES_ONLY, (50,), ALL),
     ("scales only: tied, log, cosine", "RTN hessian", TIED, (50,), ALL),
@@ -143,6 +145,10 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
     todo = [m for m in milestones if res.get(f"{key}@{m}") is None]
     if not todo:
         return
+    if s.get("seq_len", spec["train_seq_len"]) != spec["train_seq_len"]:  # the same training tokens in longer windows
+        L = s["seq_len"]
+        tokens = calibration_batches(lm.tokenizer, d.calib, spec["train_samples"] * spec["train_seq_len"] // L, L,
+                                     seed=1, bos=d.calib_bos)
     student, ptq_s, latent = _quantized(lm, start, acts, spec, d)
     # latent weights: the full-precision (transformed) weights PTQ rounded where they reproduce its codes
     weights, dequantized = lsq.exact_latent_weights(student, latent)
@@ -150,7 +156,8 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
                learn_input_scales=s.get("learn_input_scales", False))
     for m in milestones:
         cfg = lsq.DistillConfig(steps=m, lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]),
-                                seq_len=spec["train_seq_len"], lr_schedule=s["schedule"], warmup_steps=s["warmup"],
+                                seq_len=s.get("seq_len", spec["train_seq_len"]), lr_schedule=s["schedule"],
+                                warmup_steps=s["warmup"],
                                 schedule_steps=milestones[-1], lr_pre_factor=s.get("lr_pre_factor", 1.0),
                                 train=s.get("train", "scales"), lr_weights=s.get("lr_weights", 1e-5),
                                 min_lr_ratio=0.0, seed=0, out_dir=str(out / "train" / _dirname(key)), log_every=10)
@@ -246,7 +253,7 @@ def _pipeline_table(res, model, acts, fp, rtn, start) -> list[str]:
         total += r["train_seconds_segment"]
         lines.append(f"| + learned {_label(r['settings'])} (lr {_lrs(r['settings'])}), step {m} of 200 | {r['ppl']:.4f} | "
                      f"{_closed(r['ppl'], rtn, fp):.0f}% | {total:.0f} s | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
-    for run, st in (("scales only", start), ("pipeline, batch 16", start),
+    for run, st in (("scales only", start), ("pipeline, batch 16", start), ("pipeline, 1 x 512-token windows", start),
                     ("from RTN, learned scales and weights", "RTN-6")):
         last = next(ms[-1] for name, _, _, ms, _ in RUNS if name == run)
         for m in (50, 100, 200):
@@ -258,7 +265,8 @@ def _pipeline_table(res, model, acts, fp, rtn, start) -> list[str]:
     return lines + [""]
 
 
-_TABLE_RUNS = ("pipeline", "scales only", "pipeline, batch 16", "from RTN, learned scales and weights")
+_TABLE_RUNS = ("pipeline", "scales only", "pipeline, batch 16", "pipeline, 1 x 512-token windows",
+               "from RTN, learned scales and weights")
 
 
 def report(dirs, notes=None) -> str:

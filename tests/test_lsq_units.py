@@ -334,14 +334,14 @@ def test_learn_scales_cli_from_awq_with_the_new_units(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "log amax" in printed
     cfg = lsq.load_distill_checkpoint(tmp_path / "o.train" / "latest.pt")["config"]
-    assert cfg["lr_scales"] == 1e-2 and cfg["lr_schedule"] == "cosine" and cfg["lr_pre_factor"] == 0.0
+    assert cfg["lr_scales"] == 3e-3 and cfg["lr_schedule"] == "cosine" and cfg["lr_pre_factor"] == 0.0
     assert "warmup_steps" not in cfg  # 3 // 10 = 0: the default
     report = json.loads((out / "lsq_report.json").read_text())
     assert report["ptq"]["config"]["method"] == "awq"
     assert is_blockscale_checkpoint(out)
 
 
-@pytest.mark.parametrize("extra,word", [(["--lr-pre-factor", "0.5"], "--lr-pre-factor"),
+@pytest.mark.parametrize("extra,word", [(["--mode", "tied", "--lr-pre-factor", "0.5"], "--lr-pre-factor"),
                                         (["--learn-input-scales"], "--learn-input-scales"),
                                         (["--warmup-steps", "5"], "--warmup-steps")])
 def test_learn_scales_cli_refuses_bad_combinations(tmp_path, capsys, extra, word):
