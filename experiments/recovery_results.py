@@ -94,7 +94,7 @@ RUNS = [
      {"stories260k/w4a16", "stories260k/w4a4"}),
 ]
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
-LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
+LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
             "smollm2-135m": ((1e-2, LR_WEIGHTS), (3e-3, 1e-4))}
 
 
@@ -305,7 +305,7 @@ def report(dirs, notes=None) -> str:
                           "|---|---|---:|---:|---:|---:|---:|---:|"]
                 for r in rows:
                     s = r["settings"]
-                    name = f"{_label(s)} (the pipeline's, other lrs)" if r["run"].startswith("lr ") else r["run"]
+                    name = f"{_label(s)} (the pipeline's, lr sweep)" if r["run"].startswith("lr ") else r["run"]
                     lines.append(f"| {name} | {r['start']} | {_lrs(s)} | {r['ppl']:.4f} | "
                                  f"{_closed(r['ppl'], rtn, fp):.0f}% | {r['seconds_per_step']:.2f} | "
                                  f"{r['trainable_params']:,} | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
