@@ -370,8 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tensor", help="tensor name in that file (default: the MLP up-projection of layer 0)")
     d.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="kernels: eager reference, torch.compile, triton (Triton kernels; they run on CUDA "
-                        "tensors, other specs and devices take the auto path), or auto (compile for >= 2^20 "
-                        "elements, Triton for CUDA tensors where a kernel exists)")
+                        "tensors, other specs and devices take the auto path), or auto (eager first; kernels that "
+                        "prove hot on >= 2^20 elements are compiled in the background, Triton for CUDA tensors "
+                        "where a kernel exists)")
     number(d, "--repeats", int, lo=1, hi=1000, default=3, help="timed repeats per format (best reported)")
     add_common(d, threads=False)
     d.set_defaults(func=_cmd_formats)

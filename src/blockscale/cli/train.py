@@ -41,7 +41,7 @@ _HELP = {"autocast": "bf16 autocast: auto (on CUDA with bf16 support), bf16 (als
          "eval_interval": "evaluate every N steps (0: only at the end)",
          "ckpt_interval": "save ckpt.pt every N steps (0: only at the end)",
          "fsdp": "shard with FSDP2 per decoder block instead of DDP (under torchrun, >= 2 processes; sharded "
-                 "checkpoints in <out>/ckpt.dcp; docs/training.md)",
+                 "checkpoints in <out>/ckpt.dcp; docs/recipes.md, FSDP2)",
          "fsdp_param_dtype": "mixed precision of --fsdp: parameters all-gathered in fp32 (no casts) or bf16; "
                              "gradients reduced in fp32"}
 _BOOL_HELP = {"progress": "no progress bars", "plot": "do not write <out>/loss.png"}

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from ..formats.e2m1 import pack_nibbles
-from ..quant.backend import fast_kernel, want_compiled
+from ..quant.backend import want_compiled
+from ..quant.fast_kernel import fast_kernel
 from ..quant.dispatch import quantize
 from ..quant.nvfp4 import (NVFP4, amax_of_outer_scale, block_scales as nvfp4_block_scales, e2m1_codes,
                            encode_multiplier, encode_scale_tensor, rounded_magnitudes)
@@ -119,8 +120,9 @@ class _LSQFn(torch.autograd.Function):
         w32 = w.detach().float()
         pre = amax_pre.detach()
         post = None if amax_post is None else amax_post.detach()
-        ctx.fast = want_compiled(w32.numel(), LSQ_COMPILE_MIN_NUMEL)
-        out = (lsq_forward_fast if ctx.fast else lsq_forward)(w32, pre, post, S)
+        ctx.fast = want_compiled(w32.numel(), lsq_forward_fast, lsq_backward_terms_fast,
+                                 min_numel=LSQ_COMPILE_MIN_NUMEL)
+        out = (lsq_forward_fast if ctx.fast else lsq_forward_fast.eager)(w32, pre, post, S)
         ctx.save_for_backward(w32, pre, post, S)
         ctx.grad_scale = grad_scale
         return out
@@ -128,7 +130,7 @@ class _LSQFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gout):
         w32, pre, post, S = ctx.saved_tensors
-        terms = lsq_backward_terms_fast if ctx.fast else lsq_backward_terms
+        terms = lsq_backward_terms_fast if ctx.fast else lsq_backward_terms_fast.eager
         dw, t_pre, t_post = terms(gout.contiguous(), w32, pre, post, S, bool(ctx.needs_input_grad[0]))
         k = ctx.grad_scale / 6.0
         d_pre = t_pre.sum(-1) * k

@@ -6,8 +6,9 @@ unsafe math), and the tests check both give identical bits. If compilation fails
 compiler, unsupported platform) we warn once and run the reference from then on.
 
 Backend choice: ``set_backend("auto" | "reference" | "compiled" | "triton")`` or the environment
-variable ``BLOCKSCALE_BACKEND``. "auto" compiles for tensors of at least ``AUTO_MIN_NUMEL`` elements,
-where the one-off compile time pays for itself, and sends CUDA tensors to the Triton kernels
+variable ``BLOCKSCALE_BACKEND``. "auto" runs the reference first and compiles, in a background thread,
+the kernels that prove hot on tensors of at least ``AUTO_MIN_NUMEL`` elements (``fast_kernel``: the
+one-off compile time must pay for itself, and no call waits for it), and sends CUDA tensors to the Triton kernels
 (``quant/triton_kernels``, bit-identical) where one exists for the spec and triton is installed;
 ``BLOCKSCALE_TRITON=0`` turns that off. "triton" forces the Triton kernels wherever they exist (CPU
 tensors too when Triton's interpreter is on, ``TRITON_INTERPRET=1``: that is how they are tested);
@@ -16,11 +17,9 @@ tensors too when Triton's interpreter is on, ``TRITON_INTERPRET=1``: that is how
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import warnings
-from typing import Callable
 
 import torch
 
@@ -54,13 +53,23 @@ def use_backend(name: str):
         set_backend(old)
 
 
-def want_compiled(numel: int, min_numel: int = AUTO_MIN_NUMEL) -> bool:
-    """Whether the fast path should run for a tensor of ``numel`` elements ("auto": at least ``min_numel``;
-    kernels called again and again, such as scale learning's, pay for their compile at smaller sizes)."""
+def want_compiled(numel: int, *kernels, min_numel: int = AUTO_MIN_NUMEL) -> bool:
+    """Whether the compiled ``kernels`` (``fast_kernel.FastKernel``) should run for a tensor of ``numel``
+    elements: always under "compiled"; under "auto" (and "triton" for CPU tensors) from ``min_numel``
+    elements on (kernels called again and again, such as scale learning's, pay at smaller sizes), and
+    only once every one of them has been compiled in the background (until then the caller runs their
+    ``.eager`` form, which queues that compilation once the kernel has proven hot)."""
     if _state["compile_failed"]:
         return False
     b = _state["backend"]
-    return b == "compiled" or (b in ("auto", "triton") and numel >= min_numel)
+    if b == "compiled":
+        return True
+    if b not in ("auto", "triton"):
+        return False
+    big = numel >= min_numel
+    for k in kernels:
+        k.demand = big
+    return big and all(k.ready() for k in kernels)
 
 
 def triton_available() -> bool:
@@ -116,34 +125,3 @@ def announce_compile() -> bool:
     _state["compile_announced"] = True
     print(COMPILE_NOTICE, file=sys.stderr, flush=True)
     return True
-
-
-def fast_kernel(fn: Callable) -> Callable:
-    """``fn`` compiled with torch.compile; on a compile failure: one warning, then ``fn`` itself. The first
-    call of the first kernel compiled in a process prints ``COMPILE_NOTICE`` (``announce_compile``)."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        nonlocal compiled
-        if _state["compile_failed"]:
-            return fn(*args, **kwargs)
-        if compiled is None:
-            _raise_recompile_limit()
-            compiled = torch.compile(fn)
-            if not torch.compiler.is_compiling():
-                announce_compile()
-        try:
-            return compiled(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the reference
-            _state["compile_failed"] = True
-            warnings.warn(
-                f"blockscale: torch.compile is unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                "using the eager reference kernels (same results, slower)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return fn(*args, **kwargs)
-
-    run.reference = fn
-    return run

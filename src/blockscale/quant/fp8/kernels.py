@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ...formats.fp8 import FP8_DTYPES
-from ..backend import fast_kernel
+from ..fast_kernel import fast_kernel
 from .scales import dequantize_values, encode_with_scale, scale_from_amax
 
 

@@ -14,7 +14,7 @@ import torch
 from ..backend import want_compiled
 from ..blocking import abs_max, draw_random, pad_dim, row_chunks
 from ..tensor import QuantizedTensor
-from .kernels import fp8_dequant_rows, fp8_dequant_rows_fast, fp8_rows, fp8_rows_fast
+from .kernels import fp8_dequant_rows_fast, fp8_rows_fast
 from .layout import check_layout, geometry, layout, scales_shape
 from .spec import FP8
 
@@ -72,7 +72,7 @@ def _quantize_rows(x, spec: FP8, generator, outputs: str, L: int, N: int, K: int
     rand = draw_random((rows, Kp), spec.rounding, spec.sr_mode, generator, x.device)
     amax = abs_max(x) if spec.granularity == "tensor" else None
     args = (spec.element, gm, gk, spec.rounding, spec.sr_mode, outputs)
-    if want_compiled(rows * Kp):
+    if want_compiled(rows * Kp, fp8_rows_fast):
         return fp8_rows_fast(x2, amax, rand, *args)
     want_codes, want_values = outputs != "values", outputs != "codes"
     dev = x.device
@@ -80,7 +80,7 @@ def _quantize_rows(x, spec: FP8, generator, outputs: str, L: int, N: int, K: int
     values = torch.empty(x2.shape, dtype=torch.float32, device=dev) if want_values else None
     scales = None if amax is not None else torch.empty(rows // gm, Kp // gk, dtype=torch.float32, device=dev)
     for sl in row_chunks(rows, Kp, gm):
-        c, s, v = fp8_rows(x2[sl], amax, None if rand is None else rand[sl], *args)
+        c, s, v = fp8_rows_fast.eager(x2[sl], amax, None if rand is None else rand[sl], *args)
         if want_codes:
             codes[sl] = c
         if want_values:
@@ -103,13 +103,13 @@ def dequantize_fp8(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> to
     c2 = _rows(q.codes, L, N, K, gm)
     s = q.scales if q.scales.dim() == 0 else q.scales.reshape(c2.shape[0] // gm, -1)
     rows, Kp = c2.shape[0], K + (-K) % gk
-    if want_compiled(rows * Kp):
+    if want_compiled(rows * Kp, fp8_dequant_rows_fast):
         out = fp8_dequant_rows_fast(c2, s, gm, gk, dtype)
     else:
         out = torch.empty(c2.shape, dtype=dtype, device=q.device)
         for sl in row_chunks(rows, Kp, gm):
             part = s if s.dim() == 0 else s[sl.start // gm: -(-sl.stop // gm)]
-            out[sl] = fp8_dequant_rows(c2[sl], part, gm, gk, dtype)
+            out[sl] = fp8_dequant_rows_fast.eager(c2[sl], part, gm, gk, dtype)
     return _unrows(out, L, N, shape)
 
 

@@ -23,7 +23,8 @@ from ...formats.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbl
 from ...formats.fp8 import FP8_DTYPES, FP8_FORMATS, round_fp8
 from ...formats.minifloat import mul_pow2
 from ...formats.ue8m0 import decode_ue8m0, encode_ue8m0
-from ..backend import fast_kernel, want_compiled, want_triton
+from ..backend import want_compiled, want_triton
+from ..fast_kernel import fast_kernel
 from ..blocking import draw_random, pad_dim, random_from_bits, row_chunks, triton_seed
 from ..tensor import QuantizedTensor
 from .scales import BLOCK, block_exponent, element_limit
@@ -138,12 +139,12 @@ def quantize_mx(x: torch.Tensor, spec: MX, generator: torch.Generator | None = N
 def _quantize_torch(x, xm, spec: MX, generator, outputs: str, R: int, K: int, Kp: int, rand_bits):
     """The torch kernels' (codes, scale bytes, values) in the moved layout [R, Kp] of ``quantize_mx``."""
     nb = Kp // BLOCK
-    fast = want_compiled(R * Kp)
+    fast = want_compiled(R * Kp, _mx_blocks_fast)
     if rand_bits is not None and spec.rounding == "stochastic":
         rand = random_from_bits(rand_bits.to(x.device), (R, nb, BLOCK), spec.sr_mode)
     else:
         rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
-    if fast and Kp == K and not xm.is_contiguous():
+    if fast and Kp == K and not xm.is_contiguous() and _mx_moved_blocks_fast.ready():
         # blocks along a dim other than the last: let the compiled kernel read the strided layout
         # directly instead of copying the moved view first
         xb = xm
@@ -158,7 +159,7 @@ def _quantize_torch(x, xm, spec: MX, generator, outputs: str, R: int, K: int, Kp
         values = torch.empty(R, Kp, dtype=torch.float32, device=x.device) if want_values else None
         scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
     if R * Kp:
-        kernel = (_mx_moved_blocks_fast if xb is xm else _mx_blocks_fast) if fast else quantize_mx_blocks
+        kernel = (_mx_moved_blocks_fast if xb is xm else _mx_blocks_fast) if fast else _mx_blocks_fast.eager
         for rows in ([slice(0, R)] if fast else row_chunks(R, Kp)):
             c, b, v = kernel(xb[rows], None if rand is None else rand[rows], spec.element, spec.scale_rule,
                              spec.rounding, spec.sr_mode, outputs)
@@ -190,12 +191,12 @@ def dequantize_mx(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> tor
         from ..triton_kernels.mx_triton import dequantize_mx_2d
 
         out = dequantize_mx_2d(codes, b, q.spec.element).to(dtype)
-    elif want_compiled(R * nb * BLOCK):
+    elif want_compiled(R * nb * BLOCK, _mx_dequant_blocks_fast):
         out = _mx_dequant_blocks_fast(codes, b, q.spec.element, dtype)
     else:
         out = torch.empty(R, nb * BLOCK, dtype=dtype, device=q.device)
         for rows in row_chunks(R, nb * BLOCK):
-            out[rows] = _mx_dequant_blocks(codes[rows], b[rows], q.spec.element, dtype)
+            out[rows] = _mx_dequant_blocks_fast.eager(codes[rows], b[rows], q.spec.element, dtype)
     out = out[:, :K].reshape(moved).movedim(-1, dim)
     return out.reshape(shape)
 

@@ -21,7 +21,8 @@ import math
 import torch
 
 from ...formats.e2m1 import e2m1_lut, pack_nibbles, unpack_nibbles
-from ..backend import fast_kernel, want_compiled, want_triton
+from ..backend import want_compiled, want_triton
+from ..fast_kernel import fast_kernel
 from ..blocking import abs_max, draw_random, pad_dim, random_from_bits, row_chunks, triton_seed
 from ..tensor import QuantizedTensor
 from .encode import block_outputs, choose_4over6
@@ -158,7 +159,8 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
         rand = draw_random((R, nb, BLOCK), spec.rounding, spec.sr_mode, generator, x.device)
 
     want_codes, want_values = outputs != "values", outputs != "codes"
-    fast = want_compiled(R * Kp)
+    sweep_kernels = (_sweep_init_fast, _sweep_step_fast, _sweep_finish_fast)
+    fast = want_compiled(R * Kp, *(sweep_kernels if spec.scale_rule == "sweep" else (_quantize_blocks_fast,)))
     if not fast:  # eager chunks write into preallocated outputs; the fast path returns them whole
         codes = torch.empty(R, Kp // 2, dtype=torch.uint8, device=x.device) if want_codes else None
         scales = torch.empty(R, nb, dtype=torch.float32, device=x.device)
@@ -168,11 +170,10 @@ def quantize_nvfp4(x: torch.Tensor, spec: NVFP4, generator: torch.Generator | No
         for rows in parts:
             args = (xb[rows], S3[rows])
             if spec.scale_rule == "sweep":
-                kernels = (_sweep_init_fast, _sweep_step_fast, _sweep_finish_fast) if fast else (
-                    sweep_init, sweep_step, sweep_finish)
+                kernels = sweep_kernels if fast else tuple(k.eager for k in sweep_kernels)
                 c, s, v = sweep_blocks(*args, spec.block_2d, *kernels, outputs)
             else:
-                kernel = _quantize_blocks_fast if fast else _quantize_blocks
+                kernel = _quantize_blocks_fast if fast else _quantize_blocks_fast.eager
                 r = None if rand is None else rand[rows]
                 c, s, v = kernel(*args, r, spec.scale_rule, spec.error, spec.block_2d, spec.rounding, spec.sr_mode,
                                  outputs)
@@ -242,12 +243,12 @@ def dequantize_nvfp4(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> 
         out = dequantize_nvfp4_2d(packed, q.scales.reshape(R, Kp // BLOCK), inv_s.reshape(R))
         return out[:, :K].to(dtype).reshape(shape)
     scales = q.scales.reshape(R, Kp // BLOCK).to(torch.float32)
-    if want_compiled(R * Kp):
+    if want_compiled(R * Kp, _dequantize_blocks_fast):
         out = _dequantize_blocks_fast(packed, scales, inv_s, dtype)
     else:
         out = torch.empty(R, Kp, dtype=dtype, device=q.device)
         for rows in row_chunks(R, Kp):
-            out[rows] = _dequantize_blocks(packed[rows], scales[rows], inv_s[rows], dtype)
+            out[rows] = _dequantize_blocks_fast.eager(packed[rows], scales[rows], inv_s[rows], dtype)
     return out[:, :K].reshape(shape)
 
 

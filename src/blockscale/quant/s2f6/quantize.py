@@ -16,7 +16,8 @@ from ...formats.constants import S2F6_BLOCK
 from ...formats.minifloat import mul_pow2
 from ...formats.s2f6 import S2F6_MAX, decode_s2f6, encode_s2f6
 from ...formats.ue8m0 import decode_ue8m0, encode_ue8m0
-from ..backend import fast_kernel, want_compiled, want_triton
+from ..backend import want_compiled, want_triton
+from ..fast_kernel import fast_kernel
 from ..blocking import abs_max, draw_random, pad_dim, random_from_bits, row_chunks, triton_seed
 from ..transforms.hadamard import inverse_rht_blocks, random_signs, rht_blocks
 from ..mx.scales import block_exponent
@@ -87,8 +88,8 @@ def quantize_s2f6(x: torch.Tensor, spec: S2F6, generator: torch.Generator | None
     codes = torch.empty(R, Kp, dtype=torch.int8, device=x.device)
     scales = torch.empty(R, nb, dtype=torch.uint8, device=x.device)
     if R * Kp:
-        fast = want_compiled(R * Kp)
-        kernel = _s2f6_blocks_fast if fast else _s2f6_blocks
+        fast = want_compiled(R * Kp, _s2f6_blocks_fast)
+        kernel = _s2f6_blocks_fast if fast else _s2f6_blocks_fast.eager
         xb = pad_dim(x2, -1, BLOCK).reshape(R, nb, BLOCK)
         for rows in ([slice(0, R)] if fast else row_chunks(R, Kp)):
             c, b = kernel(xb[rows], signs, None if rand is None else rand[rows], spec.scale_rule,
@@ -113,10 +114,10 @@ def dequantize_s2f6(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> t
         from ..triton_kernels.s2f6_triton import dequantize_s2f6_2d
 
         out = dequantize_s2f6_2d(codes, b, q.signs).to(dtype)
-    elif want_compiled(R * nb * BLOCK):
+    elif want_compiled(R * nb * BLOCK, _s2f6_dequant_blocks_fast):
         out = _s2f6_dequant_blocks_fast(codes, b, q.signs, dtype)
     else:
         out = torch.empty(R, nb * BLOCK, dtype=dtype, device=q.device)
         for rows in row_chunks(R, nb * BLOCK):
-            out[rows] = _s2f6_dequant_blocks(codes[rows], b[rows], q.signs, dtype)
+            out[rows] = _s2f6_dequant_blocks_fast.eager(codes[rows], b[rows], q.signs, dtype)
     return out[:, :K].reshape(shape)

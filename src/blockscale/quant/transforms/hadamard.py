@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from ..backend import fast_kernel, want_compiled
+from ..backend import want_compiled
+from ..fast_kernel import fast_kernel
 
 HADAMARD_SIZES = (16, 32, 64, 128)
 # Transformer Engine's fixed 16-point sign vector (bit i set -> s_i = -1): mask 0xD7E8.
@@ -116,7 +117,8 @@ def hadamard(x: torch.Tensor, n: int = 16, signs=None, dim: int = -1) -> torch.T
     dtype = x.dtype
     work = x if dtype in (torch.float32, torch.float64) else x.float()
     v = _blocks(work, n, dim)
-    v = (_rht_fast if want_compiled(v.numel()) else rht_blocks)(v, _signs_tensor(signs, n, x.device))
+    kernel = _rht_fast if want_compiled(v.numel(), _rht_fast) else _rht_fast.eager
+    v = kernel(v, _signs_tensor(signs, n, x.device))
     return v.reshape(*v.shape[:-2], -1).movedim(-1, dim).to(dtype)
 
 
@@ -126,5 +128,6 @@ def inverse_hadamard(x: torch.Tensor, n: int = 16, signs=None, dim: int = -1) ->
     dtype = x.dtype
     work = x if dtype in (torch.float32, torch.float64) else x.float()
     v = _blocks(work, n, dim)
-    v = (_inverse_rht_fast if want_compiled(v.numel()) else inverse_rht_blocks)(v, _signs_tensor(signs, n, x.device))
+    kernel = _inverse_rht_fast if want_compiled(v.numel(), _inverse_rht_fast) else _inverse_rht_fast.eager
+    v = kernel(v, _signs_tensor(signs, n, x.device))
     return v.reshape(*v.shape[:-2], -1).movedim(-1, dim).to(dtype)
