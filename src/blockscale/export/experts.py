@@ -56,7 +56,7 @@ class Family:
 
 
 _QWEN = Family(None, ("gate_proj", "up_proj", "down_proj"))
-#: config.model_type -> Family (checked against save_pretrained in tests/test_export_fused_experts.py)
+#: config.model_type -> Family (checked against save_pretrained in tests/export/test_export_fused_experts.py)
 FAMILIES = {
     "mixtral": Family((".mlp.", ".block_sparse_moe."), ("w1", "w3", "w2")),
     "qwen2_moe": _QWEN,

@@ -15,7 +15,7 @@
   back out, so any world size dividing E resumes it.
 
 One process (W = 1): the layer keeps all experts and emulates the payloads; that run is the
-single-process reference the W-rank run is tested against (``tests/test_train_expert_parallel.py``).
+single-process reference the W-rank run is tested against (``tests/train/test_train_expert_parallel.py``).
 """
 from __future__ import annotations
 
