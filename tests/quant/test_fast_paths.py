@@ -54,26 +54,40 @@ def _run(x, spec, backend):
         return q, q.dequantize()
 
 
+# half-precision inputs, once per kernel (each input dtype is one more compilation of a kernel variant, 10-50 s
+# with an empty cache): the kernels see their FP32 values, so one rule per kernel shows the cast is the
+# reference's (the sweep's three kernels are checked on FP32 inputs only: 76 s of compiling for bf16)
+HALF_CASES = [(bs.NVFP4(), torch.bfloat16),
+              (bs.NVFP4(), torch.float16),
+              (bs.NVFP4(scale_rule="4over6", error="mse"), torch.bfloat16),
+              (bs.MX(element="e4m3"), torch.bfloat16),
+              (bs.S2F6(), torch.float16)]
+
+
+def _assert_compiled_equals_reference(x, spec):
+    (qa, da), (qb, db) = _run(x, spec, "reference"), _run(x, spec, "compiled")
+    for name in ("codes", "scales", "outer_scale", "amax"):
+        a, b = getattr(qa, name), getattr(qb, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(_bits(a), _bits(b)), name
+    assert torch.equal(da.view(torch.int32), db.view(torch.int32))
+
+
 @pytest.mark.parametrize("spec", FAST_SPECS, ids=str)
 def test_compiled_equals_reference(spec):
-    # one shape for all (each new shape is a new compilation); bf16 input: kernels see its FP32 values
-    for x in (_hard(), _hard(seed=1).to(torch.bfloat16)):
-        (qa, da), (qb, db) = _run(x, spec, "reference"), _run(x, spec, "compiled")
-        for name in ("codes", "scales", "outer_scale", "amax"):
-            a, b = getattr(qa, name), getattr(qb, name)
-            assert (a is None) == (b is None)
-            if a is not None:
-                assert torch.equal(_bits(a), _bits(b)), name
-        assert torch.equal(da.view(torch.int32), db.view(torch.int32))
+    # one compilation per kernel variant serves every shape: a second shape with other tails checks that,
+    # and for the NVFP4 rules, plain randn rows: many near-ties, one fixed summation order in both paths
+    _assert_compiled_equals_reference(_hard(), spec)
+    second = _hard(rows=21, cols=72, seed=2)
+    if isinstance(spec, bs.NVFP4):
+        second = torch.cat([second, torch.randn(235, 72, generator=torch.Generator().manual_seed(3))])
+    _assert_compiled_equals_reference(second, spec)
 
 
-def test_compiled_equals_reference_on_randn_4over6_large():
-    """Many near-ties: one fixed summation order in both paths."""
-    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
-    spec = bs.NVFP4(scale_rule="4over6")
-    (qa, _), (qb, _) = _run(x, spec, "reference"), _run(x, spec, "compiled")
-    assert torch.equal(qa.scales.view(torch.uint8), qb.scales.view(torch.uint8))
-    assert torch.equal(qa.codes, qb.codes)
+@pytest.mark.parametrize("spec, dtype", HALF_CASES, ids=str)
+def test_compiled_equals_reference_on_half_inputs(spec, dtype):
+    _assert_compiled_equals_reference(_hard(seed=1).clamp(-60000, 60000).to(dtype), spec)  # finite in fp16
 
 
 def test_falls_back_with_one_warning_when_compilation_is_unavailable(tmp_path):
@@ -99,7 +113,7 @@ def test_falls_back_with_one_warning_when_compilation_is_unavailable(tmp_path):
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("spec", [bs.MX(dim=0, rounding="stochastic"), bs.MX(element="e2m1", dim=0)], ids=str)
+@pytest.mark.parametrize("spec", [bs.MX(dim=0, rounding="stochastic")], ids=str)
 def test_compiled_blocks_along_dim0_read_the_strided_layout(spec):
     """Whole blocks along dim 0: the compiled kernel reads the transposed view without a copy."""
     x = _hard(rows=64, cols=72)

@@ -240,8 +240,8 @@ def _all_paths_equal(x, spec, backends, fake=True, seed=None):
     assert torch.equal(_bits(d), _bits(v))
 
 
-@pytest.mark.parametrize("element", ELEMENTS)
-@pytest.mark.parametrize("rounding, sr_mode", [("nearest", "hardware"), ("stochastic", "exact")])
+@pytest.mark.parametrize("element, rounding, sr_mode", [(e, "nearest", "hardware") for e in ELEMENTS]
+                         + [("e4m3", "stochastic", "exact")])  # each case one more compiled variant
 def test_mx_ceil_near_flt_max_compiled_equals_reference(element, rounding, sr_mode):
     x = _near_flt_max().repeat(4, 1) * torch.tensor([1.0, 0.99, 0.97, 0.9]).unsqueeze(1)
     _all_paths_equal(x, bs.MX(element, rounding=rounding, sr_mode=sr_mode), ["compiled"], fake=False, seed=3)
