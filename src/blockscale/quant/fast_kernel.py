@@ -8,7 +8,7 @@ When compilation happens depends on the backend (``quant.backend``):
 
 - "compiled": in the foreground, on the first call (``COMPILE_NOTICE`` is printed once per process).
 - "auto": never in the foreground. A kernel runs eagerly until it has spent ``compile_after_seconds()``
-  (default 3 s, ``BLOCKSCALE_COMPILE_AFTER``; ``never`` turns background compilation off) of eager time
+  (default 30 s, ``BLOCKSCALE_COMPILE_AFTER``; ``never`` turns background compilation off) of eager time
   on tensors large enough for the fast path; then one background thread compiles it on the arguments of
   that eager call while the reference keeps serving, and later calls run the compiled code as soon as it
   is ready (``torch._dynamo.run``: cached code only; a call the compiled code does not cover runs
@@ -36,7 +36,7 @@ import torch
 
 from .backend import _raise_recompile_limit, _state, announce_compile, get_backend
 
-DEFAULT_COMPILE_AFTER_S = 3.0
+DEFAULT_COMPILE_AFTER_S = 30.0  # see compile_after_seconds
 # TorchInductor options of every blockscale kernel. No vectorised tail loop: the tails run the scalar loop
 # (the same IEEE operations, so the same bits: tested), which halves the compile time of a kernel
 # (4/6 NVFP4: 46 s instead of 68-99 s on 2 cores) and costs no speed on these kernels (4096 x 4096:
@@ -47,7 +47,13 @@ _kernels: list = []
 
 def compile_after_seconds() -> float:
     """Seconds of eager time a kernel spends (on fast-path sizes, under "auto") before it is compiled in the
-    background: ``BLOCKSCALE_COMPILE_AFTER`` (a number >= 0, or ``never``), default 3."""
+    background: ``BLOCKSCALE_COMPILE_AFTER`` (a number >= 0, or ``never``), default 30.
+
+    30 s is about what compiling one kernel costs on 2 CPU cores with an empty cache (10-50 s), and a compile
+    in the background slows the caller while it runs (it takes a core and the GIL: SmolLM2's first
+    scale-learning step took 27-30 s with a compile started at once, 10.7 s without). Compiling once the eager
+    time spent equals the compile's cost is the ski-rental rule: whatever the work ahead, at most about twice
+    the time of the better of "never compile" and "compile at once"."""
     raw = os.environ.get("BLOCKSCALE_COMPILE_AFTER", "").strip()
     if raw == "":
         return DEFAULT_COMPILE_AFTER_S
@@ -110,7 +116,7 @@ class FastKernel:
             return self._foreground(args, kwargs)
         sig = _signature(args, kwargs)
         if sig not in self._ready:
-            if sig not in self._queued:
+            if sig not in self._queued and compile_after_seconds() != float("inf"):
                 _enqueue(self, sig, args, kwargs)
             return self.reference(*args, **kwargs)
         return self._run_only(*args, **kwargs)
@@ -164,13 +170,23 @@ class _Stop(BaseException):
 
 
 _jobs: "queue.Queue" = queue.Queue()
-_worker: dict = {"thread": None, "busy": 0, "error": None}
+_worker: dict = {"thread": None, "busy": 0, "error": None, "switch": 0.005}
 _lock = threading.Lock()
+
+
+# While the background thread compiles (pure Python, holding the GIL), the calling thread must get the GIL back
+# after every torch op it runs: with Python's default switch interval (5 ms) a training step of a few thousand
+# ops waits seconds for it (SmolLM2 scale learning: 30 s instead of 10 s for the first step). A short interval
+# while compiling hands the GIL back within 0.1 ms.
+BUSY_SWITCH_INTERVAL_S = 1e-4
 
 
 def _enqueue(kernel: FastKernel, sig, args, kwargs) -> None:
     kernel._queued.add(sig)
     with _lock:
+        if _worker["busy"] == 0:
+            _worker["switch"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(BUSY_SWITCH_INTERVAL_S, _worker["switch"]))
         _worker["busy"] += 1
         _jobs.put((kernel, sig, args, kwargs, torch.is_grad_enabled(), torch.get_num_threads()))
         if _worker["thread"] is None:
@@ -198,6 +214,8 @@ def _work() -> None:
                 del args, kwargs, job
                 with _lock:
                     _worker["busy"] -= 1
+                    if _worker["busy"] == 0:
+                        sys.setswitchinterval(_worker["switch"])
     except _Stop:
         return
 
