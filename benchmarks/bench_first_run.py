@@ -42,23 +42,18 @@ print(json.dumps({"import_s": t_import, "calls_s": calls, "reference_s": ref, "b
 
 LSQ = r"""
 import json, sys, time, torch
-import blockscale as bs
-from blockscale import lsq
 from blockscale.lsq import distill_loss
 from blockscale.models.hf import load_model
 from blockscale.ptq import PTQConfig, quantize_model
 model_name, steps = sys.argv[1], int(sys.argv[2])
+sys.path.insert(0, sys.argv[3])
+from bench_lsq_step import learnable
 import copy
 torch.manual_seed(0)
 teacher = load_model(model_name).model.eval()
 student = copy.deepcopy(teacher)
 quantize_model(student, PTQConfig(method="rtn", skip_indivisible=True), progress=False)
-lsq.enable(student, mode="dual", init="stored", param="log", train_weights=True)
-params = lsq.scale_parameters(student) + lsq.weight_parameters(student)
-for p in student.parameters():
-    p.requires_grad_(False)
-for p in params:
-    p.requires_grad_(True)
+params = learnable(student, "dual", "all")
 opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
 vocab = teacher.config.vocab_size
 x = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(1))
@@ -109,7 +104,7 @@ def main(argv=None) -> int:
         print(f"| quantize 4096x4096 NVFP4 4/6 | {c[0]:.2f} | {c[1]:.2f} | {c[2]:.2f} | {r['reference_s']:.2f} | "
               f"{c[0] / r['reference_s']:.2f} | {r['bit_identical']} |")
     if a.case in ("lsq", "all"):
-        r = run_child(LSQ, [a.model, str(a.steps)], a.backend)
+        r = run_child(LSQ, [a.model, str(a.steps), os.path.dirname(os.path.abspath(__file__))], a.backend)
         t = r["steps_s"]
         later = statistics.median(t[len(t) // 2:])
         print(f"| {a.model} scale-learning step | " + " | ".join(f"{s:.1f}" for s in t)

@@ -28,14 +28,21 @@ from blockscale.models.hf import load_model
 from blockscale.ptq import PTQConfig, quantize_model
 
 
-def time_backend(backend: str, student, teacher, x, mode: str, train: str, steps: int, warmup: int):
-    student = copy.deepcopy(student)
+def learnable(student, mode: str, train: str) -> list:
+    """Make ``student``'s NVFP4 block scales learnable in place (``lsq.enable``, log units; with ``train`` "all"
+    the latent weights too) and freeze everything else; returns the trained parameters."""
     lsq.enable(student, mode=mode, init="stored", param="log", train_weights=train == "all")
     params = lsq.scale_parameters(student) + (lsq.weight_parameters(student) if train == "all" else [])
     for p in student.parameters():
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
+    return params
+
+
+def time_backend(backend: str, student, teacher, x, mode: str, train: str, steps: int, warmup: int):
+    student = copy.deepcopy(student)
+    params = learnable(student, mode, train)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     times, losses = [], []
     with bs.use_backend(backend):

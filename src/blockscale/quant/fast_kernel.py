@@ -14,7 +14,7 @@ When compilation happens depends on the backend (``quant.backend``):
   is ready (``torch._dynamo.run``: cached code only; a call the compiled code does not cover runs
   eagerly and queues that variant). A one-off ``bs.quantize`` of a 4096 x 4096 matrix therefore costs
   what the eager reference costs, while a training loop that calls the same kernels every step
-  switches to the compiled ones after its first steps without ever waiting for the compiler.
+  switches to the compiled ones once they have proven hot, without ever waiting for the compiler.
 
 Results are the same bits on every path, so when the switch happens does not change any output. At
 interpreter exit an unfinished background compilation is abandoned (``stop_background_compiles``).
@@ -170,23 +170,13 @@ class _Stop(BaseException):
 
 
 _jobs: "queue.Queue" = queue.Queue()
-_worker: dict = {"thread": None, "busy": 0, "error": None, "switch": 0.005}
+_worker: dict = {"thread": None, "busy": 0, "error": None}
 _lock = threading.Lock()
-
-
-# While the background thread compiles (pure Python, holding the GIL), the calling thread must get the GIL back
-# after every torch op it runs: with Python's default switch interval (5 ms) a training step of a few thousand
-# ops waits seconds for it (SmolLM2 scale learning: 30 s instead of 10 s for the first step). A short interval
-# while compiling hands the GIL back within 0.1 ms.
-BUSY_SWITCH_INTERVAL_S = 1e-4
 
 
 def _enqueue(kernel: FastKernel, sig, args, kwargs) -> None:
     kernel._queued.add(sig)
     with _lock:
-        if _worker["busy"] == 0:
-            _worker["switch"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(BUSY_SWITCH_INTERVAL_S, _worker["switch"]))
         _worker["busy"] += 1
         _jobs.put((kernel, sig, args, kwargs, torch.is_grad_enabled(), torch.get_num_threads()))
         if _worker["thread"] is None:
@@ -214,8 +204,6 @@ def _work() -> None:
                 del args, kwargs, job
                 with _lock:
                     _worker["busy"] -= 1
-                    if _worker["busy"] == 0:
-                        sys.setswitchinterval(_worker["switch"])
     except _Stop:
         return
 
