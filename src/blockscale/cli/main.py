@@ -19,7 +19,8 @@ from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ct
                      is_ptq_recipe_file, jsonable, local_path, parse_dtype, resolve_ptq_recipe, resolve_recipe, setup,
                      show_progress)
 from .reporting import ArgumentParser, run_reported, warn
-from .quantize import add_method_flags, method_names, method_options, quantize_reported, skip_indivisible
+from .quantize import (add_method_flags, method_names, method_options, no_tokenizer_error, quantize_reported,
+                       skip_indivisible)
 from .quantize_streaming import add_streaming_flags, check_streaming_flags, run_streaming
 from .ranks import is_main_rank, ranked
 from ..errors import UsageError
@@ -144,15 +145,16 @@ def _cmd_quantize(args) -> int:
                     allow_partial=args.allow_partial, calibrate_all_experts=args.calibrate_all_experts,
                     expert_outer_scale=args.expert_outer_scale, n_samples=args.n_samples, seq_len=args.seq_len,
                     batch_size=args.batch_size, seed=args.seed, options=method_options(args, args.method))
+    from ..ptq.export_check import check_recipe_exportable
+
+    check_recipe_exportable(cfg.ptq_recipe, args.format)
     if args.streaming:
         return run_streaming(args, cfg, recipe, defaults, f"{PROG} quantize")
     out = Path(args.out)
     print(f"loading {args.model} ...", flush=True)
     lm = load_model(args.model, dtype=parse_dtype(args.dtype))
     if cfg.needs_calibration and lm.tokenizer is None:
-        how = f" with --recipe {recipe.name}" if recipe is not None else (" with --w4a4" if args.w4a4 else "")
-        raise UsageError(f"--method {args.method}{how} calibrates on text, but "
-                         f"{args.model} has no tokenizer (save one next to the weights, or use --method rtn)")
+        raise no_tokenizer_error(args, cfg, recipe)
     calib = args.calib or defaults.calib
     report = quantize_reported(
         f"{PROG} quantize", lambda: calibrate_and_quantize(

@@ -89,6 +89,24 @@ def skip_indivisible(flag: Optional[bool], model: str) -> bool:
     return is_builtin(model) if flag is None else bool(flag)
 
 
+def no_tokenizer_error(args, cfg, recipe) -> UsageError:
+    """The error for a calibrating configuration on a model without a tokenizer, naming what calibrates
+    (the method, the recipe's or --w4a4's static scales) and only the ways out that apply."""
+    why, ways = [], []
+    if METHODS[cfg.method].calibrates:
+        why.append(f"--method {cfg.method}")
+        ways.append("--method rtn")
+    if cfg.ptq_recipe.needs_calibration:
+        if recipe is not None:
+            why.append(f"the static activation / KV-cache scales of --recipe {recipe.name}")
+            ways.append("a recipe without static scales")
+        else:
+            why.append("the static activation scales of --w4a4")
+            ways.append("W4A16 (no --w4a4)")
+    return UsageError(f"{' and '.join(why)} {'calibrate' if len(why) > 1 else 'calibrates'} on text, but "
+                      f"{args.model} has no tokenizer: save one next to the weights, or use {' with '.join(ways)}")
+
+
 def group_names(names) -> str:
     """Module names with their layer index folded: ``model.layers.*.mlp.down_proj (5)``."""
     counts: dict[str, int] = {}

@@ -22,30 +22,27 @@ def check_streaming_flags(args) -> None:
     if args.eval:
         raise UsageError("--eval cannot be combined with --streaming (the whole model is never in memory); evaluate "
                          "the written checkpoint with: blockscale eval ppl OUT")
-    from ..ptq.streaming import check_streaming_source
+    from ..ptq.stream_state import work_dir_for
+    from ..ptq.streaming import check_offload_dir, check_streaming_source
 
-    check_streaming_source(args.model)
+    src = check_streaming_source(args.model)
+    if args.out is not None:
+        out = Path(args.out).expanduser().absolute()
+        check_offload_dir(args.offload_activations, src, out, work_dir_for(out))
 
 
 def run_streaming(args, cfg, recipe, defaults, prog: str) -> int:
     from ..data.text_sources import calibration_batches
     from ..export import size_breakdown
-    from ..models.hf import hf_tokenizer
+    from ..models.hf import open_tokenizer
     from ..ptq.fused_experts import experts_summary
     from ..ptq.streaming import check_streaming_source, quantize_streaming
-    from .quantize import quantize_reported
+    from .quantize import no_tokenizer_error, quantize_reported
 
     src = check_streaming_source(args.model)
-    tok = None
-    try:
-        from transformers import AutoTokenizer
-
-        tok = hf_tokenizer(AutoTokenizer.from_pretrained(src))
-    except (OSError, ValueError):
-        tok = None  # a weights-only directory: RTN W4A16 still works
+    tok = open_tokenizer(src)  # None: a weights-only directory (RTN W4A16 still works)
     if cfg.needs_calibration and tok is None:
-        raise UsageError(f"--method {args.method} calibrates on text, but {args.model} has no tokenizer (save one "
-                         "next to the weights, or use --method rtn)")
+        raise no_tokenizer_error(args, cfg, recipe)
     calib = args.calib or defaults.calib
     batches = None
     if cfg.needs_calibration:

@@ -4,7 +4,8 @@ exit code, never a traceback (unless ``--debug``).
     exit 2   a usage error: argparse rejected the command line, or ``UsageError`` (a bad flag value)
     exit 1   a runtime error: ``CheckpointError``, ``DataError``, ``QuantizationError`` (any other
              ``BlockscaleError``), ``OSError`` (``FileExistsError``, ``PermissionError``, ...),
-             ``ImportError``, ``MemoryError`` / CUDA out of memory, ``RecursionError``; anything else is
+             ``ImportError``, ``MemoryError`` / CUDA out of memory, ``RecursionError``, safetensors'
+             ``SafetensorError`` (readers and writers name the file: ``file_errors``); anything else is
              reported as ``internal error: <Type>: <message> (rerun with --debug for the traceback)``
     exit 130 interrupted (Ctrl-C)
 """
@@ -65,6 +66,8 @@ def describe(exc: BaseException) -> tuple[int, str]:
         return EXIT_RUNTIME, f"input nested too deeply ({msg or 'maximum recursion depth exceeded'})"
     if isinstance(exc, (OSError, ImportError)):
         return EXIT_RUNTIME, msg or type(exc).__name__
+    if type(exc).__name__ == "SafetensorError":  # a reader or writer that did not name its file (file_errors)
+        return EXIT_RUNTIME, f"a safetensors file could not be read or written: {msg}"
     return EXIT_RUNTIME, (f"internal error: {type(exc).__name__}" + (f": {msg}" if msg else "")
                           + " (rerun with --debug for the traceback)")
 

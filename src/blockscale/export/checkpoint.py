@@ -22,6 +22,7 @@ from .module_checks import activation_meta, check_nvfp4_module, kv_modules
 from .module_schemes import quantized_modules, scheme_of
 from .registry import CheckpointFormat, format_named
 from .shared_scales import check_group_membership, check_shared_scales, sibling_groups
+from ..file_errors import writing
 from .writer import parse_size, write_json, write_safetensors
 
 
@@ -300,11 +301,13 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         write_json(tmp / CONFIG_FILE, config_json)
         gen = getattr(model, "generation_config", None)
         if gen is not None and getattr(model, "can_generate", lambda: False)():
-            gen.save_pretrained(str(tmp))
+            with writing(tmp / "generation_config.json"):
+                gen.save_pretrained(str(tmp))
         for name, obj in side.items():
             write_json(tmp / name, obj)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            with writing(tmp / "tokenizer files"):
+                tokenizer.save_pretrained(str(tmp))
         for name, obj in extras.items():
             if (tmp / name).exists():
                 raise ValueError(f"extra_files key {name!r}: the export already wrote a file of that name")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
 
 from ..errors import UsageError
+from ..file_errors import FileWriteError
 from .common import CONFIG_FILE, REPORT_FILE, blockscale_report, is_blockscale_export
 from .registry import side_file_names
 
@@ -257,6 +258,9 @@ def atomic_directory(out_dir: Union[str, os.PathLike], overwrite: bool = False) 
             if old is not None:
                 os.rename(old, out_dir)
             raise
+    except FileWriteError as e:  # named by the final path: the temporary one is gone with the failure
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FileWriteError(str(e).replace(str(tmp), str(out_dir))) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

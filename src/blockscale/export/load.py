@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..models.checkpoint_detection import detected_format, file_inside
+from ..models.hf import check_model_config
 from ..nn.kv_cache import set_kv_scales
 from . import schema
 from .common import FORMATS, CheckpointError, drop_shared
@@ -125,9 +126,11 @@ def _transformers_config(cfg: dict, config_path: Path):
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise CheckpointError(f"{config_path}: model_type={model_type!r} is not a model type transformers knows")
     try:
-        return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
+        config = CONFIG_MAPPING[model_type].from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
     except Exception as e:  # noqa: BLE001 - transformers raises anything on hostile configs
         raise CheckpointError(f"{config_path}: transformers cannot read it ({_one_line(e)})") from None
+    check_model_config(config, config_path)
+    return config
 
 
 def _build(config, dtype: torch.dtype, config_path: Path, meta: bool):

@@ -21,6 +21,7 @@ from typing import Union
 import torch
 from safetensors.torch import save_file
 
+from ..file_errors import writing
 from .destination import atomic_directory, check_destination  # noqa: F401  (moved there; kept importable)
 
 SINGLE_FILE = "model.safetensors"
@@ -86,8 +87,10 @@ def _standalone(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """One safetensors file (monkeypatched in tests to inject failures)."""
-    save_file(tensors, str(path), metadata=metadata)
+    """One safetensors file (monkeypatched in tests to inject failures); a full disk or a file-size limit
+    raises ``FileWriteError`` naming it."""
+    with writing(path):
+        save_file(tensors, str(path), metadata=metadata)
 
 
 DIGEST_KEY = "blockscale.sha256"
@@ -136,9 +139,9 @@ def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], max_sha
 
 
 def write_json(path: Path, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, allow_nan=False)
-        f.write("\n")
+    text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    with writing(path), open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 __all__ = ["CONFIG_DIGEST_KEY", "DIGEST_ALGO", "DIGEST_KEY", "DIGEST_MARKER", "INDEX_FILE", "SINGLE_FILE",

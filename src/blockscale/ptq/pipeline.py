@@ -15,7 +15,7 @@ import torch
 
 from ..errors import DataError, UsageError
 from ..eval.perplexity import perplexity
-from ..models.hf import (LoadedModel, hf_tokenizer, is_blockscale_checkpoint, load_model, source_model,
+from ..models.hf import (LoadedModel, is_blockscale_checkpoint, load_model, open_tokenizer, source_model,
                          stories260k_tokenizer)
 from ..data.text_sources import calibration_batches, evaluation_tokens
 from .config import PTQConfig
@@ -39,9 +39,7 @@ def open_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, device=
     model = load_checkpoint(path, dtype=dtype, device=device, verify=verify)
     tok = None
     if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        tok = hf_tokenizer(AutoTokenizer.from_pretrained(path))
+        tok = open_tokenizer(path)
     elif source_model(path) == "stories260k":  # its tok512 tokenizer is not a transformers one
         tok = stories260k_tokenizer()
     return LoadedModel(model, tok, str(name_or_path))

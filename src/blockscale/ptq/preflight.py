@@ -46,6 +46,7 @@ class Plan:
     schemes: dict = field(default_factory=dict)
     kept_by_recipe: set = field(default_factory=set)
     experts: list = field(default_factory=list)  # per decoder layer: full name -> fused-experts module to quantize
+    used_rules: set = field(default_factory=set)  # indices of the recipe rules that chose some module's scheme
 
 
 def _matches(name: str, patterns) -> bool:
@@ -62,7 +63,7 @@ def _indivisible(full: str, m: nn.Linear, scheme) -> Optional[str]:
 
 
 def _choose(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[str],
-            schemes: dict, by_recipe: set) -> dict[str, nn.Linear]:
+            schemes: dict, by_recipe: set, used: set) -> dict[str, nn.Linear]:
     recipe = config.ptq_recipe
     candidates = {}
     for n, m in layer.named_modules():
@@ -70,7 +71,7 @@ def _choose(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig,
             full = f"{lprefix}.{n}"
             if not _matches(full, recipe.ignore):
                 candidates[full] = m
-    assigned = assign_schemes(model, list(candidates), recipe)  # refuses a split fused group
+    assigned = assign_schemes(model, list(candidates), recipe, used)  # refuses a split fused group
     chosen = {}
     for full, m in candidates.items():
         scheme = assigned[full]
@@ -112,7 +113,7 @@ def _experts_indivisible(full: str, H: int, I: int, scheme, gpt_oss: bool) -> Op
 
 
 def _choose_experts(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[str],
-                    schemes: dict, by_recipe: set) -> dict[str, nn.Module]:
+                    schemes: dict, by_recipe: set, used: set) -> dict[str, nn.Module]:
     """The fused 3-D experts modules of ``layer`` to quantize (``nn.nvfp4_experts``), each one's scheme in
     ``schemes``. Not ignored by the recipe and a scheme other than bf16 (NVFP4, FP8 or MX): it must have a
     supported layout and sizes (``_experts_indivisible``; QuantizationError naming the module otherwise)."""
@@ -124,7 +125,7 @@ def _choose_experts(model: nn.Module, layer: nn.Module, lprefix: str, config: PT
         full = f"{lprefix}.{n}"
         if _matches(full, recipe.ignore):
             continue
-        scheme = assign_schemes(model, [full], recipe)[full]
+        scheme = assign_schemes(model, [full], recipe, used)[full]
         if scheme.family == "none":
             by_recipe.add(full)
             continue
@@ -165,11 +166,11 @@ def plan_quantization(model: nn.Module, layers: nn.ModuleList, prefix: str, conf
     ``weight_coverage`` will count it afterwards. In_features not in whole blocks of the scheme (16
     NVFP4, 32 MX): kept in high precision with a note when ``skip_indivisible``, else QuantizationError."""
     per_layer, kept, quantized, high, notes, schemes, by_recipe = [], [], {}, {}, [], {}, set()
-    experts = []
+    experts, used = [], set()
     for i, layer in enumerate(layers):
         lprefix = f"{prefix}.{i}"
-        chosen = _choose(model, layer, lprefix, config, notes, schemes, by_recipe)
-        chosen_experts = _choose_experts(model, layer, lprefix, config, notes, schemes, by_recipe)
+        chosen = _choose(model, layer, lprefix, config, notes, schemes, by_recipe, used)
+        chosen_experts = _choose_experts(model, layer, lprefix, config, notes, schemes, by_recipe, used)
         cov = weight_coverage(layer, lprefix)
         layer_high = {n: v for n, v in cov.high_precision.items() if n not in chosen and n not in chosen_experts}
         quantized.update(cov.quantized)
@@ -183,7 +184,7 @@ def plan_quantization(model: nn.Module, layers: nn.ModuleList, prefix: str, conf
     for n, m in model.named_modules():
         if isinstance(m, nn.Linear) and id(m) not in in_layers and n not in kept:
             kept.append(n)
-    return Plan(per_layer, kept, Coverage(quantized, high), notes, schemes, by_recipe, experts)
+    return Plan(per_layer, kept, Coverage(quantized, high), notes, schemes, by_recipe, experts, used)
 
 
 def fused_experts_to_quantize(model: nn.Module, config: PTQConfig) -> list[str]:

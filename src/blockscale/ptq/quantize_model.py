@@ -41,6 +41,7 @@ from .kv_calibration import calibrate_kv, check_kv_layers
 from .preflight import (check_calibration, check_coverage, check_experts_method, check_finite_parameters, check_layers,
                         check_method_schemes, plan_quantization)
 from .protocol import LayerContext, PTQMethod
+from .scheme_plan import unused_rule_warnings
 from .scheme_modules import build_linear
 from .scheme_quantize import group_weight_scale, rtn_quantize
 from .statistics import InputStatistics, collect_statistics
@@ -181,6 +182,9 @@ def _preflight(model: nn.Module, layers: nn.ModuleList, prefix: str, config: PTQ
         check_kv_layers(layers, prefix)
     if config.needs_calibration:
         check_calibration(model, calibration, config)
+    for rule_line in unused_rule_warnings(config.ptq_recipe, plan.used_rules):
+        warnings.warn(rule_line, UserWarning, stacklevel=4)
+        report.warnings.append(rule_line)
     if line is not None:
         warnings.warn(line, RuntimeWarning, stacklevel=4)
         report.warnings.append(line)
@@ -285,7 +289,8 @@ def first_inputs(run: LayerPass, calibration) -> Optional[list[LayerInput]]:
     """The calibration batches at the first decoder layer's door (on ``run.device``), or None without calibration."""
     if not run.config.needs_calibration:
         return None
-    batches = run.ranks.shard(list(calibration.split(run.config.batch_size)), calibration)  # this rank's share
+    batches = run.ranks.shard(list(calibration.split(run.config.batch_size)), calibration,  # this rank's share
+                              run.model)  # (every rank must hold the same model: checked)
     run.report.calibration_tokens = calibration.numel()
     inputs = capture_first_layer_inputs(run.model, run.layers, batches)
     return [LayerInput(i.hidden.to(run.device), i.args, i.kwargs) for i in inputs]

@@ -58,12 +58,15 @@ def _source(recipe: PTQRecipe, index) -> str:
     return "the default" if index is None else f"rule {index} match {recipe.rules[index].match!r}"
 
 
-def assign_schemes(model: nn.Module, names: list[str], recipe: PTQRecipe) -> dict[str, Scheme]:
+def assign_schemes(model: nn.Module, names: list[str], recipe: PTQRecipe, used=None) -> dict[str, Scheme]:
     """{Linear name: its scheme} for ``names`` (the Linears PTQ quantizes, already past ``recipe.ignore``):
     the first rule of ``recipe.rules`` that matches, else ``recipe.default``. A fused group
     (``nn.fused.fused_groups``) whose members get different schemes is a QuantizationError naming both
-    modules, their schemes and the rules that chose them (rule indices count from 0)."""
+    modules, their schemes and the rules that chose them (rule indices count from 0). ``used``: a set
+    the indices of the rules that chose some scheme are added to."""
     chosen = {n: recipe.rule_for(n, module_classes(model, n)) for n in names}
+    if used is not None:
+        used.update(i for i, _ in chosen.values() if i is not None)
     for group in fused_groups(list(names)):
         first = group[0]
         for other in group[1:]:
@@ -74,6 +77,16 @@ def assign_schemes(model: nn.Module, names: list[str], recipe: PTQRecipe) -> dic
                     f"{sb.label} ({_source(recipe, ib)}): fused layers (q/k/v, gate/up, w1/w3) run as one GEMM "
                     "and need one scheme")
     return {n: s for n, (_, s) in chosen.items()}
+
+
+def unused_rule_warnings(recipe: PTQRecipe, used) -> list[str]:
+    """One line per rule of ``recipe`` that chose no module's scheme (not in ``used``): a misspelled
+    match would otherwise leave its modules on the default scheme without a word."""
+    return [f"recipe {recipe.name!r}: rule {i} (match {r.match!r} -> {r.scheme.label}) selects no module PTQ "
+            "quantizes, so it has no effect (check the spelling; an earlier rule or the ignore list may take all it "
+            "matches). A match is a module class (attention, mlp, experts, shared_experts, router), a glob or "
+            "'re:<regex>' on full module names"
+            for i, r in enumerate(recipe.rules) if i not in used]
 
 
 def fold_names(names) -> list[str]:
@@ -95,4 +108,4 @@ def describe_assignment(assign: dict) -> list[str]:
             for label, ns in by_label.items()]
 
 
-__all__ = ["assign_schemes", "describe_assignment", "fold_names", "module_classes"]
+__all__ = ["assign_schemes", "describe_assignment", "fold_names", "module_classes", "unused_rule_warnings"]

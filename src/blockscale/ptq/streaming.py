@@ -34,7 +34,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..errors import UsageError
+from ..errors import CheckpointError, UsageError
 from ..export import export_checkpoint, format_named, layer_tensors
 from ..export.destination import check_output
 from ..export.writer import parse_size
@@ -42,10 +42,12 @@ from ..models.hf_streaming import StreamingModel, release, shard_files
 from . import stream_skeleton
 from .capture import LayerInput, decoder_layers, run_layer
 from .config import PTQConfig
+from .export_check import check_recipe_exportable
 from .finite import check_finite_parameters
 from .fused_experts import ExpertsReport
 from .quantize_model import LinearReport, PTQReport, finish_pass, first_inputs, quantize_layer, start_pass
-from .stream_state import WorkDir, atomic_write, fingerprint, load_tensors, save_tensors, work_dir_for
+from ..file_errors import reading
+from .stream_state import WorkDir, atomic_write, fingerprint, load_tensors, save_tensors, source_files, work_dir_for
 
 SMALL = 4096  # FP32 tensors of at most this many elements stay real in a released layer (the scales the export
 # reads: NVFP4 outer / input scales, FP8 per-tensor scales, KV scales; codes and block scales were checked per layer)
@@ -126,6 +128,7 @@ def quantize_streaming(source_dir: Union[str, os.PathLike], out_dir: Union[str, 
         raise UsageError("streaming PTQ runs in one process; run it without torchrun (or a process group of "
                          "several ranks)")
     fmt = format_named(format)
+    check_recipe_exportable(config.ptq_recipe, fmt.name)
     parse_size(max_shard_size)
     source = Path(source_dir).expanduser().absolute()
     shard_files(source)
@@ -139,19 +142,24 @@ def quantize_streaming(source_dir: Union[str, os.PathLike], out_dir: Union[str, 
     layers = decoder_layers(model)
     prefix = next(n for n, m in model.named_modules() if m is layers)
     work = WorkDir(work_dir_for(out))
+    acts = check_offload_dir(offload_activations, source, out, work.path)
     run_device = torch.device(device) if device is not None else torch.device("cpu")
+    previous = work.read_state() if resume and work.path.is_dir() and not work.path.is_symlink() else None
+    files = source_files(source, (previous or {}).get("source_files"), progress)
     digest = fingerprint(config.to_dict(), fmt.name, dtype, run_device, source,
-                         calibration if config.needs_calibration else None)
+                         calibration if config.needs_calibration else None, files)
     state = work.open(digest, resume)
+    if state is not None:
+        work.check_state(state, len(layers), config.needs_calibration)
+        acts = _resumed_offload(state, acts, offload_activations)
     src.load_outside(prefix)
     run = start_pass(model, config, calibration, device, check_finite=False, data_parallel=False)
-    acts = Path(offload_activations).expanduser().absolute() if offload_activations is not None else None
-    if state is not None and state.get("activations"):
-        acts = Path(state["activations"])
-    made_acts = acts is not None and not acts.exists()
+    made_acts = bool(state.get("made_activations")) if state is not None else acts is not None and not acts.exists()
     if acts is not None:
         acts.mkdir(parents=True, exist_ok=True)
     act_dir = acts or work.path
+    kept = {"digest": digest["digest"], "parts": digest, "source_files": files,
+            "activations": str(acts) if acts is not None else None, "made_activations": made_acts}
 
     def hidden_files(i, n):
         return [act_dir / f"hidden-{i:05d}-{b:05d}.safetensors" for b in range(n)]
@@ -172,21 +180,17 @@ def quantize_streaming(source_dir: Union[str, os.PathLike], out_dir: Union[str, 
             save_hidden(0, [x.hidden for x in inputs])
             if acts is not None:
                 inputs = _Inputs(hidden_files(0, len(inputs)), meta)
-        work.write_state({"digest": digest, "done": 0, "report": _jsonable(run.report.to_dict()), "records": {},
-                          "batches": len(meta) if meta is not None else 0,
-                          "activations": str(acts) if acts is not None else None})
+        work.write_state({**kept, "done": 0, "report": _jsonable(run.report.to_dict()), "records": {},
+                          "batches": len(meta) if meta is not None else 0})
     else:
-        start = int(state["done"])
-        run.report = _report_from(state["report"])
-        records = state["records"]
-        for i in range(start):
-            _rebuild(src, layers, prefix, i, records[str(i)], work)
-        if config.needs_calibration and start < len(layers):
-            meta = torch.load(work.inputs, weights_only=True)
-            files = hidden_files(start, int(state["batches"]))
-            inputs = _Inputs(files, meta)
-            if acts is None:
-                inputs = list(inputs)
+        start, records = state["done"], state["records"]
+        try:
+            meta, inputs = _resume(run, state, work, src, layers, prefix, config, hidden_files(start, state["batches"]))
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; remove {work.path} to start over" if "start over" not in str(e) else str(e)) \
+                from None
+        if inputs is not None and acts is None:
+            inputs = list(inputs)
 
     def advance(layer, xs, dev):
         if acts is None:
@@ -220,9 +224,8 @@ def quantize_streaming(source_dir: Union[str, os.PathLike], out_dir: Union[str, 
         rec, small = stream_skeleton.record(layer, _fresh_layer(src, layers, current), lambda *_: True)
         save_tensors(work.skeleton(current), small)
         records[str(current)] = rec
-        work.write_state({"digest": digest, "done": current + 1, "report": _jsonable(run.report.to_dict()),
-                          "records": records, "batches": len(meta) if meta is not None else 0,
-                          "activations": str(acts) if acts is not None else None})
+        work.write_state({**kept, "done": current + 1, "report": _jsonable(run.report.to_dict()),
+                          "records": records, "batches": len(meta) if meta is not None else 0})
         for f in act_dir.glob(f"hidden-{current:05d}-*.safetensors"):
             f.unlink()
         _trim()
@@ -235,7 +238,8 @@ def quantize_streaming(source_dir: Union[str, os.PathLike], out_dir: Union[str, 
 
     parts = {}
     for i in range(len(layers)):
-        with safe_open(str(work.part(i)), framework="pt", device="cpu") as f:
+        with reading(work.part(i), "streaming work file"), \
+                safe_open(str(work.part(i)), framework="pt", device="cpu") as f:
             parts.update({k: work.part(i) for k in f.keys()})
     used = set()
 
@@ -245,7 +249,8 @@ def quantize_streaming(source_dir: Union[str, os.PathLike], out_dir: Union[str, 
             if placeholder.device.type == "meta":
                 raise RuntimeError(f"streaming export: no part file holds {name}")
             return placeholder
-        with safe_open(str(part), framework="pt", device="cpu") as f:  # (opened per tensor: nothing stays mapped)
+        with reading(part, "streaming work file"), \
+                safe_open(str(part), framework="pt", device="cpu") as f:  # (opened per tensor: nothing stays mapped)
             t = f.get_tensor(name)
         if t.shape != placeholder.shape or t.dtype != placeholder.dtype:
             raise RuntimeError(f"streaming export: {name} is {t.dtype} {tuple(t.shape)} in its part file but "
@@ -303,8 +308,74 @@ def _fresh_layer(src: StreamingModel, layers, i: int):
     return decoder_layers(cache)[i]
 
 
+def _resume(run, state, work, src, layers, prefix, config, hidden):
+    """The finished layers rebuilt and the report restored from ``state``; returns (the batches' call
+    arguments, the inputs of the first unfinished layer) or (None, None) without calibration. Every file
+    read is checked (CheckpointError naming it)."""
+    start = state["done"]
+    with reading(work.path / "state.json", "streaming state"):
+        run.report = _report_from(state["report"])
+    for i in range(start):
+        _rebuild(src, layers, prefix, i, state["records"][str(i)], work)
+    if not (config.needs_calibration and start < len(layers)):
+        return None, None
+    with reading(work.inputs, "streaming work file"):
+        meta = torch.load(work.inputs, weights_only=True)
+    if not isinstance(meta, list) or len(meta) != state["batches"]:
+        raise CheckpointError(f"{work.inputs}: holds {type(meta).__name__} of "
+                              f"{len(meta) if isinstance(meta, list) else '?'} batch(es), {state['batches']} recorded")
+    from safetensors import safe_open
+
+    for f in hidden:
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (the activations entering layer {start})")
+        with reading(f, "streaming work file"), safe_open(str(f), framework="pt") as st:
+            if list(st.keys()) != ["hidden"]:
+                raise CheckpointError(f"{f}: holds {sorted(st.keys())[:3]}, not the tensor 'hidden'")
+    return meta, _Inputs(hidden, meta)
+
+
 def _rebuild(src, layers, prefix, i, rec, work) -> None:
-    stream_skeleton.rebuild(layers[i], rec, load_tensors(work.skeleton(i)))
+    with reading(work.path / "state.json", f"streaming state (layer {i}'s record)"):
+        stream_skeleton.rebuild(layers[i], rec, load_tensors(work.skeleton(i)))
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """Whether ``a`` is ``b`` or lies inside it (both resolved)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or b in a.parents
+
+
+def check_offload_dir(offload, source: Path, out: Path, work: Path) -> Optional[Path]:
+    """``--offload-activations`` as an absolute path: UsageError for an existing file, or a directory
+    that is, or lies inside, the model read, the output directory or the streaming work directory (its
+    files would land among the user's model files, or create the output before it is complete)."""
+    if offload is None:
+        return None
+    acts = Path(offload).expanduser().absolute()
+    if acts.exists() and not acts.is_dir():
+        raise UsageError(f"offload_activations (--offload-activations) {offload}: exists and is not a directory; "
+                         "give a directory (created if missing)")
+    for where, what in ((source, "the model being read"), (out, "the output directory"),
+                        (work, "the streaming work directory")):
+        if _inside(acts, where) or _inside(where, acts):
+            raise UsageError(f"offload_activations (--offload-activations) {offload}: must not be, lie inside or "
+                             f"contain {what} ({where}); choose a directory of its own")
+    return acts
+
+
+def _resumed_offload(state: dict, acts: Optional[Path], given) -> Optional[Path]:
+    """The activations directory a resumed run uses: the recorded one; UsageError when another is given."""
+    recorded = state.get("activations")
+    recorded = Path(recorded) if isinstance(recorded, str) else None
+    if given is not None and acts != recorded:
+        raise UsageError(f"--resume: offload_activations (--offload-activations) {given}: the run was started with "
+                         f"{'--offload-activations ' + str(recorded) if recorded else 'the activations in memory'}; "
+                         "resume with the same value")
+    if recorded is not None and not recorded.is_dir():
+        raise CheckpointError(f"--resume: the run keeps its activations in {recorded}, which is gone; remove the "
+                              "work directory to start over")
+    return recorded
 
 
 def _generation_config(model, source: Path) -> None:
@@ -326,4 +397,4 @@ def check_streaming_source(model: str) -> Path:
     return p.absolute()
 
 
-__all__ = ["KILL_ENV", "check_streaming_source", "quantize_streaming"]
+__all__ = ["KILL_ENV", "check_offload_dir", "check_streaming_source", "quantize_streaming"]
