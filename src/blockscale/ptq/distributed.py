@@ -2,9 +2,10 @@
 
 ``quantize_model`` inside a process group of W > 1 ranks (``data_parallel=None``, the default, or True):
 
-- Split: every rank passes the same calibration ids (checked: a fingerprint of the ids is compared across
-  ranks); they are cut into calibration batches of ``batch_size`` rows as in one process, and rank r takes
-  the contiguous block of batches ``[floor(r B / W), floor((r + 1) B / W))`` of the B batches (``shard``).
+- Split: every rank passes the same calibration ids and holds the same model (checked before any layer
+  runs: fingerprints of the ids and of the model, ``model_fingerprint``, are compared across ranks); the
+  ids are cut into calibration batches of ``batch_size`` rows as in one process, and rank r takes the
+  contiguous block of batches ``[floor(r B / W), floor((r + 1) B / W))`` of the B batches (``shard``).
   The union in rank order is the single-process set, and every rank runs exactly the single-process
   batches (same rows, same shapes), so per batch its activations are the single-process ones. A rank may
   get no batch (B < W); it still takes part in every reduction.
@@ -27,15 +28,23 @@
   builds the same modules from the same tensors. RTN / AWQ / SmoothQuant round on every rank (cheap and
   deterministic, so identical).
 - Errors: ``synced`` runs a step and compares outcomes over ranks; when any rank failed, every rank
-  raises (the failing rank its own error, the others the same class with ``rank r: <message>``), each
-  marked ``synced`` so a command line prints it once, on rank 0 (``printed_by_rank0``).
+  raises (the failing rank its own error, the others the same class with ``rank r: <message>`` of the
+  lowest failing rank), each marked ``synced``: a command line prints that first failure once, on rank 0,
+  and a failing rank whose own message differs prints its own line too (``printed_by_rank0``). A process
+  that failed before entering any sync point joins the next one from its error handler (``agree``: the
+  first sync point of ``quantize_model`` is its preflight), so an error of one rank alone before
+  calibration (a missing file, a model that does not load) stops every rank there. A collective that fails
+  (a peer process ended or left the group) raises ``RanksLost`` naming the step.
 
 Without a process group (or W = 1, or ``data_parallel=False``) every function here is the identity and
 ``quantize_model`` runs exactly as before.
 """
 from __future__ import annotations
 
+import builtins
 import io
+import json
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -43,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors as _errors
-from ..errors import UsageError
+from ..errors import BlockscaleError, UsageError
 from ..nn.fused import fused_groups
 from ..nn.nvfp4_gpt_oss_experts import gpt_oss_expert_matrices, is_gpt_oss_experts
 from .fused_experts import _outer_scales, expert_scale_groups
@@ -51,19 +60,131 @@ from .protocol import QuantizedWeight
 from .scheme_quantize import group_weight_scale
 
 _SYNCED = "blockscale_synced"  # attribute set on an exception every rank raised together
-_PASSED = [0]  # synchronisation points this process has passed (any quantize_model call)
+_OWN_LINE = "blockscale_own_line"  # ... and on a rank whose own message differs from the first failure's
+_ENTERED = [0]  # synchronisation points this process has entered (any quantize_model call)
+_CHUNK = 1 << 26  # bytes of a tensor hashed at a time (model_fingerprint)
+
+
+class RanksLost(BlockscaleError):
+    """A collective of data-parallel calibration failed: another rank ended (or left the group) while this
+    one waited for it. That rank's own error line says why."""
 
 
 def printed_by_rank0(exc: BaseException) -> bool:
     """Whether a command line on a rank other than 0 should stay silent about ``exc``: every rank raised it
-    together at a synchronisation point (rank 0 prints it), or it came before the first one (flags, files,
-    the model: the same on every rank, so rank 0 prints it too). False: a failure of this rank alone."""
-    return bool(getattr(exc, _SYNCED, False)) or _PASSED[0] == 0
+    together at a synchronisation point and rank 0 prints it (the first failure). False: a failure of this
+    rank alone, or its own message differs from the one rank 0 prints."""
+    return bool(getattr(exc, _SYNCED, False)) and not getattr(exc, _OWN_LINE, False)
 
 
-def _error_class(name: str) -> type:
-    cls = getattr(_errors, name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
+def raised_together(exc: BaseException) -> bool:
+    """Whether every rank raised ``exc`` (or its counterpart) at the same synchronisation point."""
+    return bool(getattr(exc, _SYNCED, False))
+
+
+def sync_points() -> int:
+    """Synchronisation points this process has entered so far."""
+    return _ENTERED[0]
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+def agree(exc: Optional[BaseException] = None) -> None:
+    """Join the next synchronisation point of the other ranks of the default process group with this
+    process's outcome (``exc``, or None: success) and raise what ``synced`` raises there: ``exc`` itself
+    when no rank but this one failed. For a process that ended (failed, or returned without entering any
+    sync point) while the others may still be on their way to their first one."""
+    ranks = CalibrationRanks(dist.get_rank(), dist.get_world_size())
+    ranks.synced(_raise, exc) if exc is not None else ranks.synced(lambda: None)
+
+
+def after_report() -> None:
+    """Every rank, after an error raised together (``raised_together``) was printed: the other ranks wait
+    here until rank 0 has printed (so torchrun, ending the job when the first rank exits, cannot end rank 0
+    before its line is out)."""
+    CalibrationRanks(dist.get_rank(), dist.get_world_size())._gather(torch.zeros(1), "the final handshake")
+
+
+def _collective(what: str, op: Callable, *args) -> None:
+    """``op(*args)``, a collective; its failure (a peer process ended: gloo's "Connection closed by peer",
+    a timeout) is a ``RanksLost`` naming ``what``."""
+    try:
+        op(*args)
+    except RuntimeError as exc:
+        text = " ".join(str(exc).split())
+        if text.startswith("["):  # gloo's "[path/file.cc:line] " prefix
+            text = text.split("] ", 1)[-1]
+        text = text.split(". ", 1)[0].rstrip(".")
+        raise RanksLost(f"data-parallel calibration: {what} across ranks failed ({text}); another rank "
+                        "probably failed or was ended, and its own error line says why") from exc
+
+
+def _plain(value):
+    """``value`` as plain JSON data (the form in which configs are compared)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _crc(t: torch.Tensor) -> Optional[int]:
+    """CRC-32 of the bytes of ``t`` (None on the meta device), read ``_CHUNK`` bytes at a time."""
+    if t.device.type == "meta":
+        return None
+    flat = t.detach().reshape(-1)
+    step = max(1, _CHUNK // max(1, t.element_size()))
+    crc = 0
+    for i in range(0, flat.numel(), step):
+        crc = zlib.crc32(flat[i:i + step].to("cpu").contiguous().view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def model_fingerprint(model: torch.nn.Module) -> dict:
+    """What must be the same on every rank: the model's config (``model.config.to_dict()`` without private
+    keys such as ``_name_or_path`` and without ``transformers_version``), the name, shape and dtype of every
+    parameter and buffer, and a CRC-32 of every parameter's full bytes (buffers, computed at load, are
+    compared by shape and dtype only). Costs one pass over the weights (about 3 GB/s of CPU)."""
+    cfg = getattr(model, "config", None)
+    conf = None
+    if cfg is not None and callable(getattr(cfg, "to_dict", None)):
+        conf = _plain({k: v for k, v in cfg.to_dict().items()
+                       if not str(k).startswith("_") and k != "transformers_version"})
+    params = [(n, tuple(p.shape), str(p.dtype), _crc(p)) for n, p in model.named_parameters()]
+    buffers = [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    return {"config": conf, "parameters": params, "buffers": buffers}
+
+
+def model_difference(a: dict, b: dict, names=("rank 0", "rank 1")) -> Optional[str]:
+    """The first difference of model fingerprint ``b`` from ``a`` in words (``names``: whose they are), or
+    None: config fields, then the parameters' and buffers' names, shapes and dtypes, then the weights."""
+    ca, cb = a["config"] or {}, b["config"] or {}
+    for k in sorted(set(ca) | set(cb)):
+        if ca.get(k) != cb.get(k):
+            return f"config {k}: {ca.get(k)!r} vs {cb.get(k)!r}"
+    for kind in ("parameters", "buffers"):
+        la, lb = {e[0]: e for e in a[kind]}, {e[0]: e for e in b[kind]}
+        only = [(n, names[0]) for n in la if n not in lb] + [(n, names[1]) for n in lb if n not in la]
+        if only:
+            return f"{kind[:-1]} {only[0][0]} only on {only[0][1]}"
+        for name, ea in la.items():
+            eb = lb[name]
+            if ea[1:3] != eb[1:3]:
+                return f"{name}: {list(ea[1])} {ea[2]} vs {list(eb[1])} {eb[2]}"
+    for name, ea in {e[0]: e for e in a["parameters"]}.items():
+        if ea[3] != {e[0]: e for e in b["parameters"]}[name][3]:
+            return f"the weights of {name} differ"
+    return None
+
+
+def _peer_error(name: str, message: str) -> Exception:
+    """Another rank's error: its class (blockscale's or a builtin, e.g. FileNotFoundError, so the command line
+    reports it alike), else RuntimeError, with ``message``."""
+    cls = getattr(_errors, name, None) or getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:  # noqa: BLE001: a class that needs other arguments
+            pass
+    return RuntimeError(message)
 
 
 @dataclass(frozen=True)
@@ -84,20 +205,20 @@ class CalibrationRanks:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, t: torch.Tensor, what: str = "gathering statistics") -> list[torch.Tensor]:
         dev = self._comm_device()
         x = t.detach().to(dev).contiguous()
         out = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(out, x)
+        _collective(what, dist.all_gather, out, x)
         return out
 
-    def _gather_objects(self, obj) -> list:
+    def _gather_objects(self, obj, what: str = "exchanging results") -> list:
         """``obj`` of every rank, in rank order. Tensors inside travel as ``torch.save`` bytes (the pickling of
         ``all_gather_object`` does not carry every dtype, e.g. float8); the peers are this job's own ranks."""
         buf = io.BytesIO()
         torch.save(obj, buf)
         out = [None] * self.world
-        dist.all_gather_object(out, buf.getvalue())
+        _collective(what, dist.all_gather_object, out, buf.getvalue())
         return [torch.load(io.BytesIO(b), weights_only=False) for b in out]
 
     def synced(self, fn: Callable, *args, **kwargs):
@@ -110,21 +231,24 @@ class CalibrationRanks:
             out = fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001: every failure is passed to the other ranks
             err = exc
-        seen = self._gather_objects(None if err is None else (type(err).__name__, str(err)))
-        _PASSED[0] += 1
+        _ENTERED[0] += 1
+        seen = self._gather_objects(None if err is None else (type(err).__name__, str(err)), "agreeing on errors")
         failed = [(r, e) for r, e in enumerate(seen) if e is not None]
         if not failed:
             return out
+        first, (name, msg) = failed[0]
         if err is None:
-            r, (name, msg) = failed[0]
-            err = _error_class(name)(f"rank {r}: {msg}")
+            err = _peer_error(name, f"rank {first}: {msg}")
+        elif str(err) != msg:  # this rank's own, other error: it prints it itself
+            setattr(err, _OWN_LINE, True)
         setattr(err, _SYNCED, True)
         raise err
 
     # ------------------------------------------------------------------ calibration rows
-    def shard(self, batches: list[torch.Tensor], calibration: torch.Tensor) -> list[torch.Tensor]:
+    def shard(self, batches: list[torch.Tensor], calibration: torch.Tensor,
+              model: Optional[torch.nn.Module] = None) -> list[torch.Tensor]:
         """This rank's contiguous block of the calibration ``batches`` (a UsageError on every rank when the
-        ranks were given different calibration ids)."""
+        ranks hold different models, ``model_fingerprint``, or were given different calibration ids)."""
         if not self.enabled:
             return batches
 
@@ -132,7 +256,16 @@ class CalibrationRanks:
             ids = calibration.detach().reshape(-1).to(torch.int64).cpu()
             w = torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1000003
             mine = (tuple(calibration.shape), int((ids * w).sum()), int(ids.sum()))
-            prints = self._gather_objects(mine)
+            held = model_fingerprint(model) if model is not None else None
+            got = self._gather_objects((mine, held), "comparing the models and calibration ids")
+            models = [g[1] for g in got]
+            for r, other in enumerate(models):
+                what = model_difference(models[0], other, ("rank 0", f"rank {r}")) \
+                    if models[0] is not None and other is not None else None
+                if what is not None:
+                    raise UsageError(f"model: rank {r} holds another model than rank 0 ({what}); under data-parallel "
+                                     "calibration every rank loads the same model (same config and weights)")
+            prints = [g[0] for g in got]
             bad = next((r for r, p in enumerate(prints) if p != prints[0]), None)
             if bad is not None:
                 raise UsageError(f"calibration: rank {bad} was given other calibration ids than rank 0 (shape "
@@ -179,7 +312,7 @@ class CalibrationRanks:
         with_abs = [st for st in every if st.absmax is not None]
         if with_abs:  # per-channel max |x|: max (exact, order-free)
             flat = torch.cat([st.absmax.reshape(-1).float() for st in with_abs]).to(self._comm_device())
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            _collective("reducing statistics", dist.all_reduce, flat, dist.ReduceOp.MAX)
             at = 0
             for st in with_abs:
                 k = st.absmax.numel()
@@ -331,4 +464,5 @@ def calibration_ranks(data_parallel: Optional[bool] = None) -> CalibrationRanks:
     return CalibrationRanks(dist.get_rank(), dist.get_world_size())
 
 
-__all__ = ["CalibrationRanks", "calibration_ranks", "printed_by_rank0"]
+__all__ = ["CalibrationRanks", "RanksLost", "after_report", "agree", "calibration_ranks", "model_difference",
+           "model_fingerprint", "printed_by_rank0", "raised_together", "sync_points"]
