@@ -169,8 +169,9 @@ def model_difference(a: dict, b: dict, names=("rank 0", "rank 1")) -> Optional[s
             eb = lb[name]
             if ea[1:3] != eb[1:3]:
                 return f"{name}: {list(ea[1])} {ea[2]} vs {list(eb[1])} {eb[2]}"
-    for name, ea in {e[0]: e for e in a["parameters"]}.items():
-        if ea[3] != {e[0]: e for e in b["parameters"]}[name][3]:
+    crc_b = {e[0]: e[3] for e in b["parameters"]}
+    for name, _, _, crc in a["parameters"]:
+        if crc != crc_b[name]:
             return f"the weights of {name} differ"
     return None
 
