@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..models.checkpoint_detection import detected_format, file_inside
-from ..models.hf import check_model_config
+from ..models.routing_config import check_model_config
 from ..nn.kv_cache import set_kv_scales
 from . import schema
 from .common import FORMATS, CheckpointError, drop_shared

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import CheckpointError, UsageError
 from ..file_errors import reading
+from .routing_config import check_model_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -68,7 +69,6 @@ class StreamingModel:
         self.path = Path(path)
         self.files = shard_files(self.path)
         config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
-        from .hf import check_model_config
 
         check_model_config(config, self.path / "config.json")
         cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
