@@ -55,6 +55,26 @@ def is_safetensors_error(exc: BaseException) -> bool:
     return type(exc).__name__ == "SafetensorError"
 
 
+def _torch_write_cause(path: PathLike) -> Optional[str]:
+    """Why torch.save stopped short (its message keeps no errno): a finite file-size limit of this process,
+    or no free space left where ``path`` lies; None when neither shows."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft != resource.RLIM_INFINITY:
+            return f"the file-size limit was reached (ulimit -f: {soft} bytes)"
+    except (ImportError, OSError, ValueError):
+        pass
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        if st.f_bavail * st.f_frsize < (1 << 20):
+            return "no space left on device"
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
 def write_problem(path: PathLike, exc: BaseException) -> Optional[FileWriteError]:
     """The FileWriteError for ``exc`` raised while writing ``path``, or None when ``exc`` is not a file
     problem (a bug: let it propagate as it is)."""
@@ -67,8 +87,8 @@ def write_problem(path: PathLike, exc: BaseException) -> Optional[FileWriteError
     elif code == errno.EFBIG:
         why = "the file-size limit was reached (ulimit -f) or the file system cannot hold a file this large"
     elif torch_write:
-        why = ("the file could not be written in full (a full disk or a file-size limit, ulimit -f); "
-               f"torch: {first_line(exc)}")
+        why = _torch_write_cause(path) or ("the file could not be written in full (a full disk or a file-size "
+                                           f"limit, ulimit -f); torch: {first_line(exc)}")
     elif isinstance(exc, OSError):
         why = exc.strerror or first_line(exc)
     else:

@@ -14,22 +14,12 @@ import pytest
 import torch
 
 from blockscale import cli
+from cli_runs import run_cli as run
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run(argv, capsys):
-    """(exit code, stdout, stderr) of ``cli.main(argv)`` in-process (argparse errors exit via SystemExit)."""
-    capsys.readouterr()  # drop what fixtures printed
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def assert_error(result, cmd: str, code: int, *parts: str) -> str:

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from blockscale import cli
+from cli_runs import run_cli as _run
 from blockscale.errors import UsageError
 from blockscale.ptq import PTQConfig
 from blockscale.quant import NVFP4
@@ -64,15 +65,6 @@ def test_ptq_config_with_a_recipe():
 
 
 # ----------------------------------------------------------------------------- command line
-
-def _run(argv, capsys):
-    capsys.readouterr()
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def _one_error_line(result, cmd: str, *parts: str) -> str:

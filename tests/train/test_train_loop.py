@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import resource
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -11,8 +16,10 @@ import torch.nn.functional as F
 
 from blockscale.data import ByteTokenizer, Tokenizer
 from blockscale.eval import next_token_loss, perplexity
-from blockscale.train import (CheckpointContents, LoopConfig, TrainingCheckpointError, load_training_checkpoint,
-                              run_training)
+from blockscale.file_errors import FileWriteError
+from blockscale.train import (CheckpointContents, LoopConfig, TrainingCheckpointError, TrainingDivergedError,
+                              load_training_checkpoint, run_training)
+from blockscale.train.checkpoint import save_atomic
 from blockscale.train.trainer import evaluate
 from tiny_training import small_cfg, synthetic_data, tiny_model
 
@@ -94,6 +101,74 @@ def test_the_model_gets_its_mode_back(tmp_path):
     model = tiny_model().eval()
     run_training(model, HeadOnlyTask(synthetic_data()), _loop(tmp_path, 1, train_mode=True), torch.device("cpu"))
     assert not model.training
+
+
+class DivergingTask(HeadOnlyTask):
+    """HeadOnlyTask whose loss is infinite from 0-based step ``bad_loss``, or whose SGD lr is infinite at
+    0-based step ``bad_lr`` (finite loss and gradients, non-finite weights after the update)."""
+
+    def __init__(self, data, bad_loss=None, bad_lr=None):
+        super().__init__(data)
+        self.bad_loss, self.bad_lr = bad_loss, bad_lr
+
+    def lr(self, step):
+        return float("inf") if step == self.bad_lr else 0.1
+
+    def loss(self, model, step, micro, info, device):
+        loss, stats = super().loss(model, step, micro, info, device)
+        if self.bad_loss is not None and step >= self.bad_loss:
+            loss = loss * float("inf")
+            stats = torch.stack([loss.detach(), 2 * loss.detach()])
+        return loss, stats
+
+
+@pytest.mark.parametrize("bad, what, at, kept", [(dict(bad_loss=4), "the loss is inf", 5, 4),
+                                                 (dict(bad_lr=3), "a trained tensor is not finite after the update", 4,
+                                                  2)])
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path, bad, what, at, kept):
+    """A non-finite loss stops the run before the update; non-finite weights are never checkpointed: the error
+    names the step, and last.pt stays the uninterrupted run's checkpoint of the last good step."""
+    data = synthetic_data()
+    good = run_training(tiny_model(), DivergingTask(data), _loop(tmp_path / "good", kept), torch.device("cpu"))
+    want = HeadOnlyTask.contents.read(good.checkpoint_path)
+    with pytest.raises(TrainingDivergedError, match=f"training diverged at step {at}: {what}; the last good "
+                       f"checkpoint, .*last.pt \\(step {kept}\\), is kept") as err:
+        run_training(tiny_model(), DivergingTask(data, **bad), _loop(tmp_path / "bad", 6, ckpt_interval=2),
+                     torch.device("cpu"))
+    assert err.value.step == at and err.value.checkpoint == tmp_path / "bad" / "last.pt"
+    got = HeadOnlyTask.contents.read(tmp_path / "bad" / "last.pt")
+    assert got["step"] == kept and all(torch.equal(got["trainable"][k], want["trainable"][k]) for k in want["trainable"])
+    assert sorted(p.name for p in (tmp_path / "bad").iterdir()) == ["last.pt", "metrics.jsonl"]
+
+
+def test_a_run_diverging_before_its_first_checkpoint_says_none_was_written(tmp_path):
+    with pytest.raises(TrainingDivergedError, match="at step 1: the loss is inf; no good checkpoint was written"):
+        run_training(tiny_model(), DivergingTask(synthetic_data(), bad_loss=0), _loop(tmp_path, 4, ckpt_interval=2),
+                     torch.device("cpu"))
+    assert not (tmp_path / "last.pt").exists()
+
+
+def test_a_checkpoint_that_does_not_fit_the_disk_is_one_error_and_the_old_one_stays(tmp_path):
+    """A real EFBIG (RLIMIT_FSIZE in a child process): FileWriteError naming the file, no temporary file left,
+    the earlier checkpoint unchanged (torch.save alone raised RuntimeError "unexpected pos ...")."""
+    path = tmp_path / "latest.pt"
+    save_atomic(path, {"step": 1, "w": torch.ones(4)})
+    before = path.read_bytes()
+    script = textwrap.dedent(f"""
+        import torch
+        from blockscale.train.checkpoint import save_atomic
+        try:
+            save_atomic({str(path)!r}, {{"step": 2, "w": torch.ones(1 << 20)}})
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, 1 << 18)),
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.stdout.strip() == f"FileWriteError could not write {path}: the file-size limit was reached (ulimit -f: " \
+        f"{1 << 18} bytes)", p.stdout + p.stderr
+    assert path.read_bytes() == before and sorted(x.name for x in tmp_path.iterdir()) == ["latest.pt"]
+    assert issubclass(FileWriteError, OSError)
 
 
 # ----------------------------------------------------------------------------- the one next-token evaluation

@@ -26,6 +26,7 @@ DEFAULT_PARAM = "log"
 DEFAULT_SCHEDULE = "cosine"
 DEFAULT_LR_PRE_FACTOR = 0.0  # --mode dual: the pre amaxes (codes) stay at the PTQ scales (docs/lsq.md "Dual scales")
 INIT_METHODS = ("rtn", "awq", "smoothquant", "gptq")
+MAX_LR = 1e6  # Adam's first step moves a tensor by up to 10 lr: far below FP32's range, far above any useful lr
 
 
 def default_lr_scales(param: str) -> float:
@@ -79,6 +80,22 @@ def resolve_teacher(args, ckpt: Path) -> str:
                      f"metadata names the source model {recorded!r}; pass --teacher-from-metadata to use that name)")
 
 
+def default_ckpt_interval(steps: int) -> int:
+    """--ckpt-interval when not given: a tenth of the run, at least every step and at most every 50."""
+    return max(1, min(50, steps // 10))
+
+
+def resolve_model_teacher(args) -> str:
+    """The teacher of a model-name input: --teacher (a model that shares its tokenizer), else the model itself."""
+    if args.teacher_from_metadata:
+        raise UsageError("--teacher-from-metadata: only with a quantized checkpoint input (its metadata names the "
+                         f"source model); {args.model} is a model, its own teacher unless --teacher says otherwise")
+    if args.teacher:
+        check_model(args.teacher, "--teacher")
+        return args.teacher
+    return args.model
+
+
 def _rank_device(device: str) -> str:
     """Under torchrun plain "cuda" means this rank's GPU (cuda:LOCAL_RANK)."""
     if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -105,6 +122,20 @@ def _init_recipe(args, is_ckpt: bool):
     return recipe.with_nvfp4(scale_rule=args.scale_rule) if args.scale_rule else recipe
 
 
+def check_loaded_vocabulary(model: str, teacher: str, student_lm, teacher_lm, compare_tokenizers: bool) -> None:
+    """After loading (for what the configs did not say): the teacher's vocabulary is the student's; with
+    ``compare_tokenizers`` also their tokenizers' token -> id maps, when both have transformers tokenizers."""
+    from ..models.vocabulary import check_same_vocabulary, model_vocab_size
+
+    maps = [None, None]
+    if compare_tokenizers:
+        toks = [getattr(lm.tokenizer, "hf", None) for lm in (student_lm, teacher_lm)]
+        if all(t is not None and hasattr(t, "get_vocab") for t in toks):
+            maps = [t.get_vocab() for t in toks]
+    check_same_vocabulary(model, teacher, model_vocab_size(student_lm.model), model_vocab_size(teacher_lm.model),
+                          *maps)
+
+
 def _check_schedule_flags(args) -> None:
     """Combinations of the schedule / dual / input-scale flags, before anything is loaded."""
     if args.warmup_steps is not None and args.warmup_steps and args.warmup_steps >= args.steps:
@@ -126,6 +157,8 @@ def cmd_learn_scales(args) -> int:
     from .. import lsq
     from ..export import export_checkpoint
     from ..models.hf import is_blockscale_checkpoint, load_model
+    from ..models.vocabulary import check_same_vocabulary, declared_vocab_size
+    from ..train import TrainingDivergedError
     from ..ptq import PTQConfig
     from ..ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, open_model, record_dict
     from ..data.text_sources import calibration_batches
@@ -145,18 +178,28 @@ def cmd_learn_scales(args) -> int:
     path = Path(args.model)
     is_ckpt = path.is_dir() and is_blockscale_checkpoint(path)
     recipe = _init_recipe(args, is_ckpt)
-    teacher_name = resolve_teacher(args, path) if is_ckpt else args.model
+    teacher_name = resolve_teacher(args, path) if is_ckpt else resolve_model_teacher(args)
+    own_teacher = not is_ckpt and teacher_name == args.model
+    if not own_teacher:  # before anything loads: the vocabularies the two configs declare
+        check_same_vocabulary(args.model, teacher_name, declared_vocab_size(args.model),
+                              declared_vocab_size(teacher_name))
     out = check_out(args.out, overwrite=args.overwrite, sources=[local_path(args.model), local_path(teacher_name)])
     train_dir = check_run_dir(str(out) + ".train", "--out")
     defaults = default_texts(args.model)
     if is_ckpt:
         student_lm = open_model(args.model, device=device, verify=not args.no_verify)
         teacher_lm = load_model(teacher_name, device=device)
+        check_loaded_vocabulary(args.model, teacher_name, student_lm, teacher_lm, compare_tokenizers=False)
+        tokenizer = teacher_lm.tokenizer  # the checkpoint's own tokenizer may be absent
         weights, ptq_report = None, None  # latent weights: the checkpoint's dequantized weights
     else:
-        teacher_lm = load_model(args.model, device=device)
-        student_lm = copy.copy(teacher_lm)
-        student_lm.model = copy.deepcopy(teacher_lm.model)
+        base_lm = load_model(args.model, device=device)
+        teacher_lm = base_lm if own_teacher else load_model(teacher_name, device=device)
+        if not own_teacher:
+            check_loaded_vocabulary(args.model, teacher_name, base_lm, teacher_lm, compare_tokenizers=True)
+        tokenizer = base_lm.tokenizer
+        student_lm = copy.copy(base_lm)
+        student_lm.model = copy.deepcopy(base_lm.model)
         flat = {} if recipe is not None else dict(scale_rule=args.scale_rule or "6",
                                                   activations="w4a4" if args.w4a4 else "w4a16")
         cfg = PTQConfig(method=args.method or "rtn", recipe=recipe, **flat,
@@ -164,11 +207,11 @@ def cmd_learn_scales(args) -> int:
                         n_samples=args.n_samples, seq_len=args.seq_len)
         latent = {}
         ptq_report = quantize_reported("blockscale learn-scales", lambda: calibrate_and_quantize(
-            student_lm.model, teacher_lm.tokenizer, cfg, defaults.calib, defaults.calib_bos,
+            student_lm.model, tokenizer, cfg, defaults.calib, defaults.calib_bos,
             progress=show_progress(), latent_weights=latent), defaulted=args.skip_indivisible is None).to_dict()
         # the full-precision weights PTQ rounded (after AWQ / SmoothQuant folding) where they reproduce its codes
         # (RTN-like methods), else the dequantized ones (GPTQ): the step-0 model equals the PTQ model either way
-        for name, m in teacher_lm.model.named_modules():  # fused experts: the full-precision ones (RTN: exact)
+        for name, m in base_lm.model.named_modules():  # fused experts: the full-precision ones (RTN: exact)
             for key in ("gate_up_proj", "down_proj"):
                 if isinstance(getattr(m, key, None), torch.Tensor) and getattr(m, key).dim() == 3:
                     latent.setdefault(f"{name}.{key}", getattr(m, key).detach())
@@ -177,9 +220,9 @@ def cmd_learn_scales(args) -> int:
             print(f"latent weights: {len(weights) - len(dequantized)} of {len(weights)} Linears start from the "
                   f"full-precision weights PTQ rounded, {len(dequantized)} from their dequantized weights "
                   f"({cfg.method}'s codes are not a rounding of one weight)", flush=True)
-    if teacher_lm.tokenizer is None:
-        raise UsageError(f"learn-scales trains on text, but {teacher_name} has no tokenizer (save one next to the "
-                         "weights)")
+    if tokenizer is None:
+        raise UsageError(f"learn-scales trains on text, but {teacher_name if is_ckpt else args.model} has no "
+                         "tokenizer (save one next to the weights)")
     try:
         lsq.enable(student_lm.model, mode=args.mode, init="stored", weights=weights, param=args.param,
                    dual_form=args.dual_form, learn_input_scales=args.learn_input_scales)
@@ -198,8 +241,9 @@ def cmd_learn_scales(args) -> int:
         print(f"--lr-scales {lr_scales:g} {units}: a typical block scale needs ~{n_steps:.0f} steps to move by one "
               "E4M3 step" + ("; consider a larger --lr-scales (docs/lsq.md)" if scales_stuck(n_steps, args.steps)
                              else ""), flush=True)
-    tokens = calibration_batches(teacher_lm.tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
+    tokens = calibration_batches(tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
                                  seed=args.seed, bos=defaults.calib_bos)
+    ckpt_every = args.ckpt_interval if args.ckpt_interval is not None else default_ckpt_interval(args.steps)
     dual_pair = args.mode == "dual" and args.dual_form == "pair"
     lr_pre_factor = args.lr_pre_factor if args.lr_pre_factor is not None else (DEFAULT_LR_PRE_FACTOR if dual_pair else 1.0)
     dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=lr_scales, lr_weights=args.lr_weights,
@@ -209,7 +253,7 @@ def cmd_learn_scales(args) -> int:
                              fsdp_param_dtype=getattr(args, "fsdp_param_dtype", "fp32"),
                              lr_schedule=args.lr_schedule, warmup_steps=warmup if args.lr_schedule != "constant" else 0,
                              min_lr_ratio=args.min_lr_ratio, lr_pre_factor=lr_pre_factor,
-                             freeze_pre_steps=args.freeze_pre_steps)
+                             freeze_pre_steps=args.freeze_pre_steps, ckpt_every=ckpt_every)
     record = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train,
               "scale_rule": None if is_ckpt else (args.scale_rule or "6"), "w4a4": None if is_ckpt else args.w4a4}
     if recipe is not None:  # (absent otherwise, so older run directories still resume)
@@ -228,24 +272,31 @@ def cmd_learn_scales(args) -> int:
             src = defaults.eval if args.eval == "default" else args.eval
             if tag == "before":
                 check_eval_ctx("blockscale learn-scales", student_lm.model, defaults.ctx, False)
-            rec = evaluate_ppl(student_lm.model, teacher_lm.tokenizer, src, defaults.ctx, defaults.bos,
+            rec = evaluate_ppl(student_lm.model, tokenizer, src, defaults.ctx, defaults.bos,
                                args.max_eval_tokens)
             evals[tag] = record_dict(rec)
             print(f"perplexity {tag}: {rec.ppl:.4f} ({rec.tokens_evaluated} tokens of {rec.source})", flush=True)
 
     ppl("before")
-    report["distill"] = lsq.distill(student_lm.model, teacher_lm.model, tokens, dcfg, resume=args.resume,
-                                    progress=show_progress(), record=record, force=args.force)
+    try:
+        report["distill"] = lsq.distill(student_lm.model, teacher_lm.model, tokens, dcfg, resume=args.resume,
+                                        progress=show_progress(), record=record, force=args.force)
+    except TrainingDivergedError as err:
+        raise TrainingDivergedError(f"{err} (--lr-scales {lr_scales:g}"
+                                    + (f", --lr-weights {args.lr_weights:g}" if args.train == "all" else "")
+                                    + f"); nothing was exported to {out}", err.step, err.checkpoint) from None
     if not main_rank:
         return 0
     ppl("after")
     if evals:  # as in quantize's ptq_report.json: no key without --eval (the metadata says null)
         report["perplexity"] = evals
     lsq.freeze(student_lm.model)
-    meta = {"model": teacher_name,  # a summary; details: lsq_report.json
+    meta = {"model": teacher_name if is_ckpt else args.model,  # a summary; details: lsq_report.json
             "scale_learning": {"mode": args.mode, "train": args.train, "steps": args.steps,
                                "perplexity": evals or None}}
-    tok = teacher_lm.tokenizer.hf if teacher_lm.tokenizer else None
+    if not is_ckpt and not own_teacher:
+        meta["scale_learning"]["teacher"] = teacher_name
+    tok = tokenizer.hf if tokenizer else None
     dest = export_checkpoint(student_lm.model, out, args.format, tokenizer=tok, metadata=jsonable(meta),
                              overwrite=args.overwrite, source=[p for p in (local_path(args.model),
                                                                            local_path(teacher_name)) if p],
@@ -263,7 +314,8 @@ def add_learn_scales(sub) -> None:
     p.add_argument("model", help="an NVFP4 checkpoint directory (with --teacher), or a model name / path (the "
                                  "teacher; quantized here with RTN first)")
     p.add_argument("--out", required=True, help="output checkpoint directory (training files: OUT.train)")
-    p.add_argument("--teacher", help="the full-precision model of a checkpoint input")
+    p.add_argument("--teacher", help="the full-precision model of a checkpoint input; with a model input another "
+                                     "model to distill from (the same tokenizer; default: the model itself)")
     p.add_argument("--teacher-from-metadata", action="store_true",
                    help="use the source model named in the checkpoint's metadata as the teacher (only a built-in "
                         "or hub name, never a local path)")
@@ -281,7 +333,7 @@ def add_learn_scales(sub) -> None:
                    help="scales only (default), or the latent weights too (the recovery pipeline: --scale-rule hessian "
                         "--train all; docs/results/recovery.md)")
     number(p, "--steps", int, lo=1, hi=MAX_STEPS, default=100)
-    number(p, "--lr-scales", float, lo=0.0, lo_open=True, default=None,
+    number(p, "--lr-scales", float, lo=0.0, lo_open=True, hi=MAX_LR, default=None,
            help=f"peak Adam learning rate of the block scales (default {DEFAULT_LR_SCALES_LOG:g} with --param log, "
                 f"{DEFAULT_LR_SCALES:g} with --param amax: docs/results/recovery.md)")
     p.add_argument("--lr-schedule", default=DEFAULT_SCHEDULE, choices=LR_SCHEDULES,
@@ -295,7 +347,7 @@ def add_learn_scales(sub) -> None:
                 "docs/lsq.md)")
     number(p, "--freeze-pre-steps", int, lo=0, hi=MAX_STEPS, default=0,
            help="with --mode dual --dual-form pair: the pre amaxes stay frozen for the first N steps")
-    number(p, "--lr-weights", float, lo=0.0, default=DEFAULT_LR_WEIGHTS,
+    number(p, "--lr-weights", float, lo=0.0, hi=MAX_LR, default=DEFAULT_LR_WEIGHTS,
            help="peak Adam learning rate of the latent weights (raw units; used with --train all)")
     number(p, "--temperature", float, lo=0.0, lo_open=True, default=1.0)
     number(p, "--ce-weight", float, lo=0.0, default=0.0, help="weight of the next-token loss mixed into T^2 KL")
@@ -322,7 +374,10 @@ def add_learn_scales(sub) -> None:
                                                    "cuda means each rank's own GPU)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the content digests of a checkpoint input (values are still checked)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT.train/latest.pt")
+    number(p, "--ckpt-interval", int, lo=0, hi=MAX_STEPS, default=None,
+           help="write OUT.train/latest.pt every N steps, for --resume (0: only at the end; default: --steps / 10, "
+                "at least every step and at most every 50)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT.train/latest.pt (bit for bit on CPU)")
     p.add_argument("--force", action="store_true",
                    help="with --resume: continue even if the checkpoint was written with another model, teacher "
                         "or mode")
@@ -338,4 +393,4 @@ def add_learn_scales(sub) -> None:
     p.set_defaults(func=cmd_learn_scales)
 
 
-__all__ = ["DEFAULT_LR_SCALES", "DEFAULT_LR_SCALES_LOG", "DEFAULT_LR_WEIGHTS", "DEFAULT_MODE", "default_lr_scales", "default_warmup", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]
+__all__ = ["DEFAULT_LR_SCALES", "DEFAULT_LR_SCALES_LOG", "DEFAULT_LR_WEIGHTS", "DEFAULT_MODE", "check_loaded_vocabulary", "default_ckpt_interval", "default_lr_scales", "default_warmup", "resolve_model_teacher", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]

@@ -54,6 +54,8 @@ class DistillConfig:
     batch_size: sequences per micro step and rank; grad_accum micro steps per optimizer step.
     max_grad_norm: global clip norm over the trainable tensors (0 disables). eval_every: every N steps
     evaluate ``eval_tokens`` (if given) and write the checkpoint (0: only the final checkpoint).
+    ckpt_every: write ``latest.pt`` every N steps whatever ``eval_every`` says (0: only at the end; None:
+    every ``eval_every`` steps); the checkpoint of step N replaces that of an earlier step.
     out_dir: metrics.jsonl, latest.pt and losses.png (None writes nothing).
     fsdp: shard student and teacher with FSDP2 instead of DDP (torchrun, >= 2 processes); fsdp_param_dtype:
     "fp32" | "bf16" for everything but the LSQ learners (always FP32); gradients reduced in FP32.
@@ -86,6 +88,7 @@ class DistillConfig:
     schedule_steps: Optional[int] = None
     lr_pre_factor: float = 1.0
     freeze_pre_steps: int = 0
+    ckpt_every: Optional[int] = None
 
     def __post_init__(self):
         check_fsdp_options(self.fsdp, self.fsdp_param_dtype, "DistillConfig")
@@ -96,6 +99,9 @@ class DistillConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DistillConfig.{name}={v!r}; allowed values: integers >= 0")
+        v = self.ckpt_every
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"DistillConfig.ckpt_every={v!r}; allowed values: None or an integer >= 0")
         v = self.schedule_steps
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"DistillConfig.schedule_steps={v!r}; allowed values: None or an integer >= 1")
@@ -134,7 +140,14 @@ class DistillConfig:
         for f in _SCHEDULE_FIELDS:  # only when set: the config of a constant-lr run reads as before
             if d[f.name] == f.default:
                 del d[f.name]
+        if d["ckpt_every"] is None:
+            del d["ckpt_every"]
         return d
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Steps between checkpoints (0: only the final one): ``ckpt_every``, else ``eval_every``."""
+        return self.eval_every if self.ckpt_every is None else self.ckpt_every
 
     def lr_factor(self, step: int) -> float:
         """The schedule's factor on each group's lr at 0-based optimizer ``step``: 1 for "constant"; else
@@ -349,7 +362,7 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
         raise ValueError("resume=True needs cfg.out_dir")
     loop = LoopConfig(steps=cfg.steps, grad_accum=cfg.grad_accum, grad_clip=cfg.max_grad_norm,
                       log_interval=cfg.log_every, eval=eval_tokens is not None and cfg.eval_every > 0,
-                      eval_interval=cfg.eval_every, ckpt_interval=cfg.eval_every,
+                      eval_interval=cfg.eval_every, ckpt_interval=cfg.checkpoint_interval,
                       out_dir=None if cfg.out_dir is None else str(cfg.out_dir), ckpt_name=DISTILL_CKPT_NAME,
                       metrics_name=DISTILL_METRICS_NAME, plot_name=DISTILL_PLOT_NAME, plot_label="distill",
                       plot_title="LSQ distillation loss", progress=progress, batch_tokens=cfg.batch_size * cfg.seq_len,

@@ -12,13 +12,13 @@ from .checkpoint import (CheckpointContents, TrainingCheckpointError, load_train
 from .token_data import BUILTIN, ByteTokenizer, TokenData, derive_seed, load_data, resolve_source
 from .distributed import DistInfo, cleanup_distributed, setup_distributed
 from .gradients import clip_gradients
-from .loop import LoopConfig, StepReport, TrainingTask, TrainResult, run_training
+from .loop import LoopConfig, StepReport, TrainingDivergedError, TrainingTask, TrainResult, run_training
 from .metrics import plot_losses, read_metrics
 from .trainer import PretrainTask, TrainConfig, evaluate, get_lr, make_optimizer, train
 
 __all__ = [
     "BUILTIN", "ByteTokenizer", "CheckpointContents", "DistInfo", "LoopConfig", "PretrainTask", "StepReport",
-    "TokenData", "TrainConfig", "TrainResult", "TrainingCheckpointError", "TrainingTask", "cleanup_distributed",
+    "TokenData", "TrainConfig", "TrainResult", "TrainingCheckpointError", "TrainingDivergedError", "TrainingTask", "cleanup_distributed",
     "clip_gradients", "derive_seed", "evaluate", "get_lr", "load_data", "load_training_checkpoint", "make_optimizer",
     "plot_losses", "read_metrics", "resolve_source", "run_training", "save_training_checkpoint", "setup_distributed",
     "train",

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError
+from ..file_errors import writing
 
 CKPT_FORMAT = "blockscale.train/1"
 
@@ -37,14 +38,21 @@ def save_training_checkpoint(path: Union[str, Path], model: nn.Module, optimizer
 
 
 def save_atomic(path: Union[str, Path], obj: dict) -> Path:
-    """torch.save ``obj`` to ``path`` through a temporary file and os.replace (never half-written)."""
+    """torch.save ``obj`` to ``path`` through a temporary file and os.replace (never half-written). A full
+    disk or a file-size limit is a ``file_errors.FileWriteError`` naming ``path``; the temporary file is
+    removed and an earlier ``path`` stays as it was."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with writing(path):
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

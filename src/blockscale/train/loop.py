@@ -8,6 +8,9 @@ One optimizer step ``step`` (0-based): the task's LR (if it schedules one) on ev
 global torch RNG reseeded from ``task.step_seed(step, rank)`` (if it gives one); ``grad_accum`` micro
 steps of ``loss, stats = task.loss(...)``, ``(loss / grad_accum).backward()`` (DDP syncs on the last
 one); the global gradient norm of the trainable tensors clipped to ``grad_clip``; ``optimizer.step()``.
+A non-finite loss or gradient norm stops the run before ``optimizer.step()``, and a non-finite trained
+tensor before a checkpoint is written, with ``TrainingDivergedError`` naming the step: the last good
+checkpoint stays as it was.
 Logged rows (every ``log_interval`` steps, at evaluations and at the end) carry the mean of ``stats``
 over micro steps and ranks. Checkpoints (every ``ckpt_interval`` steps and at the end) hold step,
 optimizer, the task's config and run record, and what ``task.contents`` says; resume restores them, so
@@ -20,6 +23,7 @@ model unsharded again at the end and the final ``ckpt_name`` gathered on rank 0)
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +32,7 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn as nn
 
-from ..errors import UsageError
+from ..errors import BlockscaleError, UsageError
 from .checkpoint import CheckpointContents, check_record, restore_optimizer
 from .device import autocast_context
 from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, join_distributed, no_sync, wrap_ddp
@@ -37,6 +41,29 @@ from .expert_parallel import ExpertParallelRun
 from .metrics import append_metrics, plot_run, truncate_metrics
 from .progress import ProgressBar
 from .gradients import clip_gradients
+
+
+class TrainingDivergedError(BlockscaleError, RuntimeError):
+    """A step's loss or gradient norm, or a trained tensor at a checkpoint, is not finite: the run stops
+    there. ``step``: the 1-based step that diverged; ``checkpoint``: the last good checkpoint (None: none
+    was written), left as it was."""
+
+    def __init__(self, message: str, step: int, checkpoint: Optional[Path]):
+        super().__init__(message)
+        self.step, self.checkpoint = step, checkpoint
+
+
+def _diverged(what: str, step: int, ckpt_path: Optional[Path], good_step: Optional[int]) -> TrainingDivergedError:
+    kept = (f"the last good checkpoint, {ckpt_path} (step {good_step}), is kept" if good_step is not None
+            else "no checkpoint was written" if ckpt_path is None else f"no good checkpoint was written to {ckpt_path}")
+    return TrainingDivergedError(f"training diverged at step {step}: {what}; {kept}. A smaller learning rate (or a "
+                                 "smaller gradient clip) may help", step, ckpt_path if good_step is not None else None)
+
+
+def _all_finite(params, info: DistInfo) -> bool:
+    """Whether every trained tensor is finite on every rank (FSDP: each rank checks its shards)."""
+    local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in params)
+    return float(all_reduce_mean(torch.tensor([0.0 if local else 1.0]), info)[0]) == 0.0
 
 
 @dataclass(frozen=True)
@@ -244,6 +271,8 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
     val_hist: list[tuple[int, float]] = []
     t0 = last_t = time.perf_counter()
     last_step = start_step
+    good_step = start_step if state is not None else None  # the step of the checkpoint on disk, if ours
+    shown_ckpt = fsdp2.dcp_dir(ckpt_path) if loop.fsdp and ckpt_path is not None else ckpt_path
     train_loss = val_loss = None
     was_training = model.training
     model.train(loop.train_mode)
@@ -269,8 +298,12 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
                 ep.finish_grads(model)  # experts' gradients / W (DDP averaged the others)
             norm = fsdp2.clip_sharded(params, loop.grad_clip) if loop.fsdp else \
                 ep.clip(model, params, loop.grad_clip) if ep is not None else clip_gradients(params, loop.grad_clip)
+            means = all_reduce_mean(sums / loop.grad_accum, info).tolist()  # the same on every rank
+            if not (math.isfinite(means[0]) and math.isfinite(float(norm))):
+                what = (f"the loss is {means[0]}" if not math.isfinite(means[0])
+                        else f"the gradient norm is {float(norm)}")
+                raise _diverged(what, step + 1, shown_ckpt, good_step)
             optimizer.step()
-            means = all_reduce_mean(sums / loop.grad_accum, info).tolist()
             step_seconds.append(time.perf_counter() - ts)
             train_loss = means[0]
             losses.append(train_loss)
@@ -295,6 +328,8 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
                 if line:
                     bar.log(line)
             if out is not None and (last or (loop.ckpt_interval and done % loop.ckpt_interval == 0)):
+                if not _all_finite(params, info):
+                    raise _diverged("a trained tensor is not finite after the update", done, shown_ckpt, good_step)
                 if loop.fsdp:  # every rank writes its shards
                     fsdp2.save_sharded(fsdp2.dcp_dir(ckpt_path), model, optimizer, fsdp2.run_meta(
                         contents, done, task.config, info, elapsed0 + time.perf_counter() - t0, record), info,
@@ -306,6 +341,7 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
                                       world_size=info.world_size, elapsed_s=elapsed0 + time.perf_counter() - t0,
                                       **({"record": record} if record is not None else {}))
                 barrier(info)
+                good_step = done
             bar.update(**{"loss": f"{train_loss:.4f}", **({"lr": f"{lr:.2e}"} if lr is not None else {})})
     finally:
         bar.close()
@@ -333,4 +369,4 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
                        trainable_params=sum(p.numel() for p in params), optimizer_state_bytes=state_bytes)
 
 
-__all__ = ["LoopConfig", "StepReport", "TrainResult", "TrainingTask", "run_training"]
+__all__ = ["LoopConfig", "StepReport", "TrainResult", "TrainingDivergedError", "TrainingTask", "run_training"]
