@@ -14,7 +14,8 @@ into one of blockscale's errors whose message names the file and says what is wr
   this large"`` (``EFBIG``), or ``"... <the OS's message>"``.
 
 The command line prints either as one line with exit code 1. The writers that use ``writing`` remove
-the partial file (``atomic_write`` in ``ptq.stream_state``, the export's temporary directory).
+the partial file (``write_text_atomic`` here, ``atomic_write`` in ``ptq.stream_state``,
+``train.checkpoint.save_atomic``, the export's temporary directory).
 """
 from __future__ import annotations
 
@@ -138,5 +139,24 @@ def writing(path: PathLike) -> Iterator[None]:
         raise new from exc
 
 
+def write_text_atomic(path: PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file next to it, fsync and rename: a kill or a
+    full disk leaves the old file or none, never half a one; file problems are one ``FileWriteError``
+    naming ``path`` (the temporary file is removed)."""
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    try:
+        with writing(path):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 __all__ = ["FileWriteError", "first_line", "is_safetensors_error", "read_problem", "reading", "write_problem",
-           "writing"]
+           "write_text_atomic", "writing"]

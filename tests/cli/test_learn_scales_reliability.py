@@ -166,3 +166,23 @@ def test_teacher_from_metadata_needs_a_checkpoint_input(tmp_path, capsys):
     line = error_line(run(["learn-scales", "stories260k", "--teacher-from-metadata", "--out", tmp_path / "o"], capsys),
                       2)
     assert "--teacher-from-metadata: only with a quantized checkpoint input" in line
+
+
+def test_a_checkpoint_input_with_a_teacher_of_another_vocabulary_is_refused_before_loading(tmp_path, teachers,
+                                                                                          monkeypatch, capsys):
+    """Was a raw size-mismatch error after both models had loaded."""
+    import blockscale.models.hf as hf
+    import blockscale.ptq.pipeline as pipeline
+
+    ckpt = tmp_path / "ckpt"
+    assert cli.main(["quantize", "stories260k", "--out", str(ckpt)]) == 0
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded before the vocabulary check")
+
+    monkeypatch.setattr(hf, "load_model", no_loading)
+    monkeypatch.setattr(pipeline, "open_model", no_loading)
+    line = error_line(run(["learn-scales", ckpt, "--teacher", teachers / "vocab96", "--out", tmp_path / "o"], capsys),
+                      2)
+    assert f"--teacher {teachers / 'vocab96'}: its vocabulary has 96 tokens, {ckpt}'s has 512" in line
+    assert not (tmp_path / "o").exists()

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import yaml
 
-from blockscale import cli
 from cli_runs import run_cli as _run
 from blockscale.errors import UsageError
 from blockscale.ptq import PTQConfig

@@ -19,7 +19,6 @@ from blockscale.eval import next_token_loss, perplexity
 from blockscale.file_errors import FileWriteError
 from blockscale.train import (CheckpointContents, LoopConfig, TrainingCheckpointError, TrainingDivergedError,
                               load_training_checkpoint, run_training)
-from blockscale.train.checkpoint import save_atomic
 from blockscale.train.trainer import evaluate
 from tiny_training import small_cfg, synthetic_data, tiny_model
 
@@ -137,7 +136,8 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path, bad,
                      torch.device("cpu"))
     assert err.value.step == at and err.value.checkpoint == tmp_path / "bad" / "last.pt"
     got = HeadOnlyTask.contents.read(tmp_path / "bad" / "last.pt")
-    assert got["step"] == kept and all(torch.equal(got["trainable"][k], want["trainable"][k]) for k in want["trainable"])
+    assert got["step"] == kept
+    assert all(torch.equal(got["trainable"][k], want["trainable"][k]) for k in want["trainable"])
     assert sorted(p.name for p in (tmp_path / "bad").iterdir()) == ["last.pt", "metrics.jsonl"]
 
 
@@ -148,27 +148,40 @@ def test_a_run_diverging_before_its_first_checkpoint_says_none_was_written(tmp_p
     assert not (tmp_path / "last.pt").exists()
 
 
-def test_a_checkpoint_that_does_not_fit_the_disk_is_one_error_and_the_old_one_stays(tmp_path):
-    """A real EFBIG (RLIMIT_FSIZE in a child process): FileWriteError naming the file, no temporary file left,
-    the earlier checkpoint unchanged (torch.save alone raised RuntimeError "unexpected pos ...")."""
+WRITERS = {  # a writer of run files, and what it writes in the child (over 256 KiB)
+    "checkpoint": ("from blockscale.train.checkpoint import save_atomic as w", "w(PATH, {'w': torch.ones(1 << 20)})"),
+    "text": ("from blockscale.file_errors import write_text_atomic as w", "w(PATH, 'x' * (1 << 20))"),
+    "metrics": ("from blockscale.train.metrics import append_metrics as w",
+                "w(pathlib.Path(PATH), {'s': 'x' * (1 << 20)})"),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_run_file_that_does_not_fit_is_one_error_naming_it(tmp_path, writer):
+    """A real EFBIG (RLIMIT_FSIZE in a child process): FileWriteError naming the file (torch.save alone raised
+    RuntimeError "unexpected pos ...", Python's write "[Errno 27] File too large" naming no file); the atomic
+    writers leave no temporary file and the earlier file unchanged."""
     path = tmp_path / "latest.pt"
-    save_atomic(path, {"step": 1, "w": torch.ones(4)})
-    before = path.read_bytes()
+    path.write_bytes(b"earlier")
+    imp, call = WRITERS[writer]
     script = textwrap.dedent(f"""
-        import torch
-        from blockscale.train.checkpoint import save_atomic
+        import pathlib, torch
+        {imp}
+        PATH = {str(path)!r}
         try:
-            save_atomic({str(path)!r}, {{"step": 2, "w": torch.ones(1 << 20)}})
+            {call}
         except Exception as exc:
             print(type(exc).__name__, exc)
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, 1 << 18)),
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.stdout.strip() == f"FileWriteError could not write {path}: the file-size limit was reached (ulimit -f: " \
-        f"{1 << 18} bytes)", p.stdout + p.stderr
-    assert path.read_bytes() == before and sorted(x.name for x in tmp_path.iterdir()) == ["latest.pt"]
+    why = (f"the file-size limit was reached (ulimit -f: {1 << 18} bytes)" if writer == "checkpoint" else
+           "the file-size limit was reached (ulimit -f) or the file system cannot hold a file this large")
+    assert p.stdout.strip() == f"FileWriteError could not write {path}: {why}", p.stdout + p.stderr
     assert issubclass(FileWriteError, OSError)
+    if writer != "metrics":  # an append keeps what it could write
+        assert path.read_bytes() == b"earlier" and sorted(x.name for x in tmp_path.iterdir()) == ["latest.pt"]
 
 
 # ----------------------------------------------------------------------------- the one next-token evaluation

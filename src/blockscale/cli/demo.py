@@ -20,6 +20,7 @@ from ..ptq.pipeline import open_model as load_model
 from ..ptq import PTQConfig
 from ..ptq.pipeline import default_texts, evaluate_ppl, quantized_copy, record_dict
 from ..data.text_sources import calibration_batches
+from ..file_errors import write_text_atomic
 
 
 def _table(rows, fp_ppl) -> str:
@@ -166,7 +167,7 @@ def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best:
     print(f"  {sizes}{hint}")
     report = {"model": model, "eval": record_dict(fp), "rows": reports, "reloaded_ppl": record_dict(rec),
               "reloaded_logits_bit_identical": same, "checkpoint": str(ckpt), "seconds": time.time() - t_start}
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
     print(f"report: {out / 'report.json'}  (total {time.time() - t_start:.0f} s)")
     return 0 if same else 1
 

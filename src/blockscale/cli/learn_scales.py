@@ -393,4 +393,7 @@ def add_learn_scales(sub) -> None:
     p.set_defaults(func=cmd_learn_scales)
 
 
-__all__ = ["DEFAULT_LR_SCALES", "DEFAULT_LR_SCALES_LOG", "DEFAULT_LR_WEIGHTS", "DEFAULT_MODE", "check_loaded_vocabulary", "default_ckpt_interval", "default_lr_scales", "default_warmup", "resolve_model_teacher", "add_learn_scales", "scales_stuck", "cmd_learn_scales", "resolve_teacher", "teacher_from_metadata"]
+__all__ = ["DEFAULT_LR_SCALES", "DEFAULT_LR_SCALES_LOG", "DEFAULT_LR_WEIGHTS", "DEFAULT_MODE", "MAX_LR",
+           "add_learn_scales", "check_loaded_vocabulary", "cmd_learn_scales", "default_ckpt_interval",
+           "default_lr_scales", "default_warmup", "resolve_model_teacher", "resolve_teacher", "scales_stuck",
+           "teacher_from_metadata"]

@@ -24,6 +24,7 @@ from .quantize import (add_method_flags, method_names, method_options, no_tokeni
 from .quantize_streaming import add_streaming_flags, check_streaming_flags, run_streaming
 from .ranks import is_main_rank, ranked
 from ..errors import UsageError
+from ..file_errors import write_text_atomic
 from ..quant.backend import BACKENDS
 
 PROG = "blockscale"
@@ -218,8 +219,7 @@ def _cmd_eval_ppl(args) -> int:
     print(f"{args.model}: ppl {rec.ppl:.4f}  loss {rec.loss:.4f}  tokens {rec.tokens_evaluated}  "
           f"({rec.source}, ctx {rec.ctx}, bos {rec.bos}, {rec.seconds:.0f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_text_atomic(args.json, json.dumps(out, indent=2))
         print(f"report: {args.json}")
     return 0
 

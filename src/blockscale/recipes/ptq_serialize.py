@@ -19,6 +19,7 @@ import yaml
 from ..errors import UsageError
 from .ptq_recipe import KVCacheScheme, PTQRecipe, PTQRule, Scheme
 from .serialize import MAX_RECIPE_BYTES, read_recipe_yaml
+from ..file_errors import write_text_atomic
 
 RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(PTQRecipe))
 RULE_KEYS = ("match", "scheme")
@@ -110,7 +111,7 @@ def ptq_recipe_from_dict(d, where: str = "PTQ recipe") -> PTQRecipe:
 
 def save_ptq_recipe(recipe: PTQRecipe, path) -> None:
     """Write ``recipe`` as YAML."""
-    Path(path).write_text(yaml.safe_dump(ptq_recipe_to_dict(recipe), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(ptq_recipe_to_dict(recipe), sort_keys=False))
 
 
 def load_ptq_recipe_file(path) -> PTQRecipe:

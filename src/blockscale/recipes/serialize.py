@@ -8,6 +8,7 @@ import yaml
 
 from ..quant import format_named, format_of, formats
 from .recipe import OPERANDS, LinearRecipe, Recipe
+from ..file_errors import write_text_atomic
 
 MAX_RECIPE_BYTES = 1 << 20
 
@@ -129,7 +130,7 @@ def recipe_from_dict(d: dict, where: str = "recipe") -> Recipe:
 
 def save_recipe(recipe: Recipe, path) -> None:
     """Write ``recipe`` as YAML."""
-    Path(path).write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
 
 
 def load_recipe_file(path) -> Recipe:

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import BlockscaleError, UsageError
+from ..file_errors import write_text_atomic
 from .checkpoint import CheckpointContents, check_record, restore_optimizer
 from .device import autocast_context
 from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, join_distributed, no_sync, wrap_ddp
@@ -252,7 +253,7 @@ def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
         elif metrics_path.exists():
             metrics_path.unlink()
         if loop.config_json:
-            (out / "config.json").write_text(json.dumps({**task.config, "world_size": info.world_size}, indent=1))
+            write_text_atomic(out / "config.json", json.dumps({**task.config, "world_size": info.world_size}, indent=1))
     barrier(info)
 
     bar = ProgressBar(loop.progress and main, loop.steps, start_step)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional, Union
+
+from ..file_errors import write_text_atomic, writing
 
 
 def read_metrics(path: Union[str, Path]) -> list[dict]:
@@ -22,9 +23,7 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Keep the lines with step <= ``step`` (lines logged after the checkpoint we resume from)."""
     if path.exists():
         rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def plot_losses(metrics_paths: dict, out_png: Union[str, Path], title: Optional[str] = None,
@@ -58,13 +57,14 @@ def plot_losses(metrics_paths: dict, out_png: Union[str, Path], title: Optional[
         ax.legend(fontsize=8)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png)
+    with writing(out_png):
+        fig.savefig(out_png)
     return out_png
 
 
 def append_metrics(path: Path, row: dict) -> None:
     """Append one JSON row to the metrics file."""
-    with open(path, "a") as f:
+    with writing(path), open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
