@@ -12,6 +12,11 @@ Groups:
     step, the files of an export. These run float32 matrix products, whose sums depend on the CPU's
     BLAS kernels, so they are compared only on a machine like the one that recorded them (the fixture
     stores its fingerprint).
+  "exports" (added before the export-path redesign, issue 30; its own fingerprint "exports_fingerprint"):
+    every PTQ scheme on stories260K, the MoE families (NVFP4 and the mixed recipe with an FP8 KV cache) and
+    streaming, each exported in both checkpoint formats (weights by content, configs by bytes, refusals
+    by error type). Weight-only results are compared everywhere; keys under "calibrated/" only on a
+    machine like the recording one. ``--write-exports`` records this group alone.
 """
 from __future__ import annotations
 
@@ -195,6 +200,99 @@ def _model_digests(tmp: Path) -> dict[str, str]:
     return out
 
 
+EXPORT_FILES = ("config.json", "hf_quant_config.json", "model.safetensors.index.json")
+
+
+def _export_digests_of(d: Path, prefix: str, out: dict) -> None:
+    """The weights (contents) and the configs (bytes) of the export in ``d``; reports (timings) are left out."""
+    for f in sorted(Path(d).iterdir()):
+        if f.suffix == ".safetensors":
+            out[f"{prefix}/{f.name}"] = _safetensors_digest(f)
+        elif f.name in EXPORT_FILES:
+            out[f"{prefix}/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def _export_both(model, tmp: Path, prefix: str, out: dict) -> None:
+    """Export ``model`` in both checkpoint formats (a refusal is recorded as the error's type)."""
+    import blockscale as bs
+
+    for fmt in ("compressed-tensors", "modelopt"):
+        try:
+            d = bs.export_checkpoint(model, tmp / prefix.replace("/", "_") / fmt, fmt)
+        except ValueError as exc:
+            out[f"{prefix}/{fmt}"] = f"refused: {type(exc).__name__}"
+            continue
+        _export_digests_of(Path(d), f"{prefix}/{fmt}", out)
+
+
+def _scheme_recipes():
+    """One PTQ recipe per scheme and option set, and the built-in mixed recipe (FP8 KV cache)."""
+    from blockscale.recipes import get_ptq_recipe
+    from blockscale.recipes.ptq_recipe import SCHEME_NAMES, PTQRecipe, Scheme
+
+    recipes = {name: PTQRecipe(name=name, default=Scheme(name)) for name in SCHEME_NAMES if name != "bf16"}
+    recipes["fp8-w8a8-channel-dynamic"] = PTQRecipe(name="x", default=Scheme("fp8-w8a8", weights="channel",
+                                                                             activations="dynamic"))
+    recipes["mxfp4-floor"] = PTQRecipe(name="x", default=Scheme("mxfp4-w4a16", scale_rule="floor"))
+    recipes["nvfp4-w4a4-4over6"] = PTQRecipe(name="x", default=Scheme("nvfp4-w4a4", scale_rule="4over6",
+                                                                      act_scale_rule="4over6"))
+    recipes["mixed"] = get_ptq_recipe("nvfp4-experts-fp8-attention")
+    return recipes
+
+
+CALIBRATED = "calibrated/"
+
+
+def _calibrated(cfg) -> str:
+    """The key prefix of results that depend on calibration forward passes (float32 matrix-product sums,
+    which differ between CPUs): compared only on a machine like the recording one."""
+    return CALIBRATED if cfg.needs_calibration else ""
+
+
+def _exports_digests(tmp: Path) -> dict[str, str]:
+    """Every scheme on stories260K and the MoE families, each exported in both formats, and a streaming
+    export: the bytes the export-path redesign (issue 30) must keep. Weight-only results are the same on
+    every machine; those under ``CALIBRATED`` are not."""
+    from blockscale.ptq import PTQConfig, quantize_model
+    from blockscale.ptq.streaming import quantize_streaming
+    import tiny_moe
+
+    out: dict[str, str] = {}
+    base = _stories()
+    calib = _calib()
+    for name, recipe in _scheme_recipes().items():
+        m = copy.deepcopy(base.model)
+        cfg = PTQConfig(recipe=recipe, n_samples=8, seq_len=64, batch_size=4, skip_indivisible=True)
+        quantize_model(m, cfg, calib if cfg.needs_calibration else None, progress=False)
+        key = f"{_calibrated(cfg)}scheme/{name}"
+        out[f"{key}/state"] = _state_digest(m)
+        _export_both(m, tmp, key, out)
+    moe_calib = torch.randint(1, 96, (8, 32), generator=torch.Generator().manual_seed(5))
+    families = {f: (lambda f=f: tiny_moe.tiny_moe(f)) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")}
+    families.update({"gpt_oss": tiny_moe.tiny_gpt_oss, "deepseek_v3": tiny_moe.tiny_deepseek})
+    moe_recipes = {"nvfp4": None, "mixed": _scheme_recipes()["mixed"]}
+    for fam, build in families.items():
+        for rname, recipe in moe_recipes.items():
+            m = build()
+            cfg = PTQConfig(recipe=recipe, n_samples=8, seq_len=32, batch_size=4, calibrate_all_experts=True) \
+                if recipe is not None else PTQConfig()
+            key = f"{_calibrated(cfg)}moe/{fam}/{rname}"
+            try:
+                quantize_model(m, cfg, moe_calib if cfg.needs_calibration else None, progress=False)
+            except ValueError as exc:  # e.g. DeepSeek's MLA has no k_proj / v_proj for an FP8 KV cache
+                out[key] = f"refused: {type(exc).__name__}"
+                continue
+            out[f"{key}/state"] = _state_digest(m)
+            _export_both(m, tmp, key, out)
+    src = tmp / "stories-src"
+    base.model.save_pretrained(src)
+    for fmt in ("compressed-tensors", "modelopt"):
+        quantize_streaming(src, tmp / f"streaming-{fmt}", PTQConfig(skip_indivisible=True), format=fmt,
+                           progress=False)
+        _export_digests_of(tmp / f"streaming-{fmt}", f"streaming/{fmt}", out)
+    return out
+
+
 def fingerprint() -> str:
     """What the float32 matrix-product sums depend on: the machine, the CPU's flags, torch."""
     flags = ""
@@ -208,7 +306,7 @@ def fingerprint() -> str:
     return f"{platform.machine()}|{flags}|torch {torch.__version__}"
 
 
-def compute(tmp: Path, groups=("quant", "model")) -> dict:
+def compute(tmp: Path, groups=("quant", "model", "exports")) -> dict:
     """The digests of ``groups``, computed on one thread (restored afterwards), warnings silenced."""
     import warnings
 
@@ -222,6 +320,9 @@ def compute(tmp: Path, groups=("quant", "model")) -> dict:
                 out["quant"] = _quant_digests()
             if "model" in groups:
                 out["model"] = _model_digests(tmp)
+            if "exports" in groups:
+                out["exports"] = _exports_digests(tmp)
+                out["exports_fingerprint"] = out["fingerprint"]
             return out
     finally:
         torch.set_num_threads(threads)
@@ -232,13 +333,20 @@ def main(argv) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         got = compute(Path(tmp))
+    if "--write-exports" in argv:
+        want = json.loads(FIXTURE.read_text())
+        want.update(exports=got["exports"], exports_fingerprint=got["fingerprint"])
+        FIXTURE.write_text(json.dumps(want, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(got['exports'])} export digests to {FIXTURE}")
+        return 0
     if "--write" in argv:
         FIXTURE.parent.mkdir(exist_ok=True)
         FIXTURE.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
         print(f"wrote {sum(len(v) for k, v in got.items() if k != 'fingerprint')} digests to {FIXTURE}")
         return 0
     want = json.loads(FIXTURE.read_text())
-    bad = [f"{grp}/{k}" for grp in ("quant", "model") for k in want[grp] if got[grp].get(k) != want[grp][k]]
+    bad = [f"{grp}/{k}" for grp in ("quant", "model", "exports") for k in want.get(grp, {})
+           if got[grp].get(k) != want[grp][k]]
     print("\n".join(bad) or "all digests equal", f"\nfingerprint recorded {want['fingerprint']}, here {got['fingerprint']}")
     return 1 if bad else 0
 

@@ -96,6 +96,17 @@ def resolve_model_teacher(args) -> str:
     return args.model
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two model arguments name the same model (one name, or paths to one file or directory)."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    try:
+        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    except OSError:
+        return False
+
+
 def _rank_device(device: str) -> str:
     """Under torchrun plain "cuda" means this rank's GPU (cuda:LOCAL_RANK)."""
     if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -179,7 +190,7 @@ def cmd_learn_scales(args) -> int:
     is_ckpt = path.is_dir() and is_blockscale_checkpoint(path)
     recipe = _init_recipe(args, is_ckpt)
     teacher_name = resolve_teacher(args, path) if is_ckpt else resolve_model_teacher(args)
-    own_teacher = not is_ckpt and teacher_name == args.model
+    own_teacher = not is_ckpt and same_model(teacher_name, args.model)
     if not own_teacher:  # before anything loads: the vocabularies the two configs declare
         check_same_vocabulary(args.model, teacher_name, declared_vocab_size(args.model),
                               declared_vocab_size(teacher_name))
@@ -395,5 +406,5 @@ def add_learn_scales(sub) -> None:
 
 __all__ = ["DEFAULT_LR_SCALES", "DEFAULT_LR_SCALES_LOG", "DEFAULT_LR_WEIGHTS", "DEFAULT_MODE", "MAX_LR",
            "add_learn_scales", "check_loaded_vocabulary", "cmd_learn_scales", "default_ckpt_interval",
-           "default_lr_scales", "default_warmup", "resolve_model_teacher", "resolve_teacher", "scales_stuck",
-           "teacher_from_metadata"]
+           "default_lr_scales", "default_warmup", "resolve_model_teacher", "resolve_teacher", "same_model",
+           "scales_stuck", "teacher_from_metadata"]
