@@ -68,7 +68,20 @@ def teachers(tmp_path_factory):
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     transformers.LlamaForCausalLM(cfg).save_pretrained(root / "vocab96")
+    for name, first in (("chars", 1), ("chars_reversed", -1)):  # vocab 96, two tokenizers with other ids
+        transformers.LlamaForCausalLM(cfg).save_pretrained(root / name)
+        _char_tokenizer(first).save_pretrained(root / name)
     return root
+
+
+def _char_tokenizer(order: int):
+    import transformers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)][::order]
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
 def test_default_checkpoint_interval():
@@ -185,4 +198,16 @@ def test_a_checkpoint_input_with_a_teacher_of_another_vocabulary_is_refused_befo
     line = error_line(run(["learn-scales", ckpt, "--teacher", teachers / "vocab96", "--out", tmp_path / "o"], capsys),
                       2)
     assert f"--teacher {teachers / 'vocab96'}: its vocabulary has 96 tokens, {ckpt}'s has 512" in line
+    assert not (tmp_path / "o").exists()
+    line = error_line(run(["learn-scales", ckpt, "--teacher", "stories260k", "--teacher-from-metadata", "--out",
+                           tmp_path / "o"], capsys), 2)  # was: --teacher-from-metadata silently ignored
+    assert "--teacher and --teacher-from-metadata both name the teacher: give one of them" in line
+
+
+def test_a_teacher_with_another_tokenizer_of_the_same_size_is_refused(tmp_path, teachers, capsys):
+    line = error_line(run(["learn-scales", teachers / "chars", "--teacher", teachers / "chars_reversed", "--steps",
+                           "1", "--out", tmp_path / "o"], capsys), 2)
+    assert f"--teacher {teachers / 'chars_reversed'}: its tokenizer maps tokens to other ids than " \
+        f"{teachers / 'chars'}'s (" in line
+    assert f"' ': id 1 in {teachers / 'chars'}, id 95 in the teacher" in line
     assert not (tmp_path / "o").exists()

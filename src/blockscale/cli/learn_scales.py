@@ -68,6 +68,8 @@ def resolve_teacher(args, ckpt: Path) -> str:
     """The teacher of a checkpoint input: --teacher, or with --teacher-from-metadata the recorded name."""
     from ..models.hf import source_model
 
+    if args.teacher and args.teacher_from_metadata:
+        raise UsageError("--teacher and --teacher-from-metadata both name the teacher: give one of them")
     if args.teacher:
         check_model(args.teacher, "--teacher")
         return args.teacher

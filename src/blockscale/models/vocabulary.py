@@ -60,10 +60,16 @@ def check_same_vocabulary(student: str, teacher: str, student_size: Optional[int
                          f"{student_size}; the teacher must share the student's tokenizer (the loss compares their "
                          "logits token by token)")
     if student_tokens is not None and teacher_tokens is not None and student_tokens != teacher_tokens:
-        differ = sorted(set(student_tokens.items()) ^ set(teacher_tokens.items()), key=repr)[:3]
-        raise UsageError(f"--teacher {teacher}: its tokenizer differs from {student}'s (e.g. "
-                         f"{', '.join(f'{t!r} -> {i}' for t, i in differ)}); the teacher must share the student's "
-                         "tokenizer")
+        differ = sorted((t for t in set(student_tokens) | set(teacher_tokens)
+                         if student_tokens.get(t) != teacher_tokens.get(t)), key=repr)[:3]
+        shown = "; ".join(f"{t!r}: {_id(student_tokens, t)} in {student}, {_id(teacher_tokens, t)} in the teacher"
+                          for t in differ)
+        raise UsageError(f"--teacher {teacher}: its tokenizer maps tokens to other ids than {student}'s ({shown}); "
+                         "the teacher must share the student's tokenizer")
+
+
+def _id(tokens: dict, token) -> str:
+    return f"id {tokens[token]}" if token in tokens else "absent"
 
 
 __all__ = ["BUILTIN_VOCAB_SIZES", "check_same_vocabulary", "declared_vocab_size", "model_vocab_size"]
