@@ -197,3 +197,25 @@ def test_root_names_do_not_shadow_subpackages():
     for sub in ("formats", "quant", "recipes", "nn", "data", "models", "eval", "train", "export", "ptq", "lsq", "cli"):
         __import__(f"blockscale.{sub}")
         assert isinstance(getattr(blockscale, sub), types.ModuleType), sub
+
+
+def _scheme_vocabularies() -> list[str]:
+    """Literal tuples / lists / sets / dicts (keys) naming three or more quantization schemes, by file and line."""
+    from blockscale.quant.schemes import SCHEME_TABLE
+
+    names = {r.name for r in SCHEME_TABLE}
+    found = []
+    for module, (path, _) in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(
+                node, (ast.Tuple, ast.List, ast.Set)) else []
+            hits = {n.value for n in items if isinstance(n, ast.Constant) and n.value in names}
+            if len(hits) >= 3:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    return found
+
+
+def test_one_scheme_table():
+    """Schemes are rows of quant.schemes.SCHEME_TABLE: no other literal lists three or more scheme names
+    (issue 30: SCHEME_NAMES with parallel tables, KINDS and MX_SCHEME_NAMES were three vocabularies)."""
+    assert _scheme_vocabularies() == []

@@ -36,6 +36,7 @@ QUANT_METHOD = "compressed-tensors"
 SCHEMA_VERSION = "0.20.1"
 NVFP4_FORMAT, MIXED = "nvfp4-pack-quantized", "mixed-precision"
 FLOAT, NAIVE, MXFP8, MXFP4 = "float-quantized", "naive-quantized", "mxfp8-quantized", "mxfp4-pack-quantized"
+_MX_ELEMENTS = {"e4m3": (MXFP8, 8), "e2m1": (MXFP4, 4)}  # MX element -> (format, bits)
 E4M3_SCALE, U8_SCALE = "torch.float8_e4m3fn", "torch.uint8"
 TILE, MX_BLOCK, NVFP4_BLOCK = 128, 32, 16
 _QC = "quantization_config"
@@ -56,12 +57,22 @@ def _a(num_bits: int, strategy: str, *, group_size=None, dynamic=False, scale_dt
     return a
 
 
+def _mx_element(s: ModuleScheme) -> tuple[str, int]:
+    """(compressed-tensors format, bits) of an MX scheme's element; an element compressed-tensors has no
+    format for is refused rather than written under another's name."""
+    try:
+        return _MX_ELEMENTS[s.weights]
+    except KeyError:
+        raise ValueError(f"compressed-tensors has no format for MX element {s.weights!r} (it stores "
+                         f"{', '.join(_MX_ELEMENTS)})") from None
+
+
 def group_format(s: ModuleScheme) -> str:
     if s.kind == "nvfp4":
         return NVFP4_FORMAT
     if s.kind == "fp8":
         return FLOAT if s.inputs else NAIVE
-    return MXFP8 if s.weights == "e4m3" else MXFP4
+    return _mx_element(s)[0]
 
 
 def scheme_args(s: ModuleScheme) -> tuple[dict, Optional[dict]]:
@@ -76,7 +87,7 @@ def scheme_args(s: ModuleScheme) -> tuple[dict, Optional[dict]]:
         i = {None: None, "tensor": _a(8, "tensor", observer="static_minmax"), "token": _a(8, "token", dynamic=True),
              "block": _a(8, "group", group_size=TILE, dynamic=True)}[s.inputs]
         return w, i
-    bits = 8 if s.weights == "e4m3" else 4
+    bits = _mx_element(s)[1]
     w = _a(bits, "group", group_size=MX_BLOCK, scale_dtype=U8_SCALE)
     return w, (_a(bits, "group", group_size=MX_BLOCK, dynamic=True, scale_dtype=U8_SCALE) if s.inputs else None)
 

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from ..nn.fp8_linear import FP8Linear
-from ..nn.mx_linear import MX_SCHEME_NAMES, MXLinear
+from ..nn.mx_linear import MXLinear
 from ..nn.nvfp4_linear import NVFP4Linear
 from ..nn.quantized_modules import QUANTIZED_LINEAR_TYPES
+from ..quant.schemes import stored_scheme_name
 
 KINDS = ("nvfp4", "fp8", "mx")
 
@@ -36,14 +37,9 @@ class ModuleScheme:
 
     @property
     def name(self) -> str:
-        """The scheme name (recipes' SCHEME_NAMES, plus the weights-only "fp8-w8a16" / "mxfp8-w8a16")."""
-        if self.kind == "nvfp4":
-            return "nvfp4-w4a4" if self.inputs else "nvfp4-w4a16"
-        if self.kind == "fp8":
-            if self.weights == "block":
-                return "fp8-block"
-            return "fp8-w8a8" if self.inputs else "fp8-w8a16"
-        return MX_SCHEME_NAMES[(self.weights, self.inputs)]
+        """The scheme name: the row of ``quant.schemes.SCHEME_TABLE`` that stores it (recipes' SCHEME_NAMES,
+        plus the weights-only "fp8-w8a16" / "mxfp8-w8a16")."""
+        return stored_scheme_name(self.kind, self.weights, self.inputs)
 
     @property
     def label(self) -> str:

@@ -17,13 +17,11 @@ from torch import nn
 from ..errors import UsageError
 from ..quant import MX, QuantizedTensor, fake_quantize
 from ..quant.mx import BLOCK, MX_SCALE_RULES
+from ..quant.schemes import stored_scheme_name
 from .fp8_linear import keep_buffer_dtypes
 from .straight_through import straight_through
 
 MX_LINEAR_ELEMENTS = ("e4m3", "e2m1")
-#: (element, input_element) -> scheme name
-MX_SCHEME_NAMES = {("e4m3", "e4m3"): "mxfp8", ("e2m1", "e2m1"): "mxfp4", ("e2m1", None): "mxfp4-w4a16",
-                   ("e4m3", None): "mxfp8-w8a16"}
 
 
 def _choices(values) -> str:
@@ -79,7 +77,7 @@ class MXLinear(nn.Module):
     @property
     def scheme_name(self) -> str:
         """"mxfp8", "mxfp4", "mxfp4-w4a16" or "mxfp8-w8a16" (weights only)."""
-        return MX_SCHEME_NAMES[(self.element, self.input_element)]
+        return stored_scheme_name("mx", self.element, self.input_element)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -141,4 +139,4 @@ class MXLinear(nn.Module):
                 f"{self.scheme_name} (scale_rule={self.scale_rule})")
 
 
-__all__ = ["MXLinear", "MX_LINEAR_ELEMENTS", "MX_SCHEME_NAMES"]
+__all__ = ["MXLinear", "MX_LINEAR_ELEMENTS"]

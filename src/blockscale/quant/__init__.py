@@ -12,6 +12,7 @@ from .fp8 import FP8
 from .mx import MX
 from .nvfp4 import NVFP4
 from .registry import Format, format_named, format_of, formats, is_spec, register, spec_types
+from .schemes import RECIPE_SCHEME_NAMES, SCHEME_TABLE, SchemeRow, scheme_row, stored_scheme_name
 from .s2f6 import S2F6
 from .transforms.swizzle import swizzle_scales, unswizzle_scales
 from .tensor import QuantizedTensor
@@ -24,5 +25,6 @@ __all__ = [
     "format_named", "format_of", "formats", "get_backend", "hadamard", "hadamard_matrix", "inverse_hadamard",
     "is_spec", "quantize", "random_signs", "register", "set_backend", "spec_types", "swizzle_scales",
     "unswizzle_scales", "use_backend",
+    "RECIPE_SCHEME_NAMES", "SCHEME_TABLE", "SchemeRow", "scheme_row", "stored_scheme_name",
     "WIRE_PAYLOADS", "decode_rows", "emulate", "encode_rows", "row_bytes", "wire_spec",
 ]

@@ -26,31 +26,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UsageError
-from ..quant import FP8, MX, NVFP4
-from ..quant.nvfp4.weighted import WEIGHTED_RULES
+from ..quant.schemes import RECIPE_SCHEME_NAMES, scheme_row
 from .recipe import DEFAULT_EXCLUDE
 
-SCHEME_NAMES = ("nvfp4-w4a4", "nvfp4-w4a16", "fp8-w8a8", "fp8-block", "mxfp8", "mxfp4", "mxfp4-w4a16", "bf16")
+SCHEME_NAMES = RECIPE_SCHEME_NAMES  # the rows of quant.schemes.SCHEME_TABLE a recipe may name
 MODULE_CLASSES = ("attention", "mlp", "experts", "shared_experts", "router")
 KV_CACHE_FORMATS = ("fp8-e4m3",)
 
-_NVFP4_WEIGHT = {"scale_rule": ("6", "4over6", "sweep", "hessian", "hessian-4over6"), "error": ("mse", "mae", "maxabs")}
-_MX = {"scale_rule": ("ceil", "floor")}
-# scheme -> {option: allowed values, the first being the default}
-SCHEME_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
-    "nvfp4-w4a4": {**_NVFP4_WEIGHT, "act_scale_rule": ("6", "4over6")},
-    "nvfp4-w4a16": dict(_NVFP4_WEIGHT),
-    "fp8-w8a8": {"weights": ("tensor", "channel"), "activations": ("static", "dynamic")},
-    "fp8-block": {},
-    "mxfp8": dict(_MX),
-    "mxfp4": dict(_MX),
-    "mxfp4-w4a16": dict(_MX),
-    "bf16": {},
-}
+# scheme -> {option: allowed values, the first being the default}: the table's rows
+SCHEME_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {n: dict(scheme_row(n).options) for n in SCHEME_NAMES}
 OPTION_NAMES = ("scale_rule", "error", "act_scale_rule", "weights", "activations")
-_FAMILY = {"nvfp4-w4a4": "nvfp4", "nvfp4-w4a16": "nvfp4", "fp8-w8a8": "fp8", "fp8-block": "fp8",
-           "mxfp8": "mx", "mxfp4": "mx", "mxfp4-w4a16": "mx", "bf16": "none"}
-_QUANTIZED_INPUT = ("nvfp4-w4a4", "fp8-w8a8", "fp8-block", "mxfp8", "mxfp4")
 
 
 def _takers(option: str) -> str:
@@ -104,62 +89,48 @@ class Scheme:
         return {k: getattr(self, k) for k in SCHEME_OPTIONS[self.name]}
 
     @property
+    def row(self):
+        """Its row of ``quant.schemes.SCHEME_TABLE``."""
+        return scheme_row(self.name)
+
+    @property
     def family(self) -> str:
-        """"nvfp4", "fp8", "mx" or "none" (bf16)."""
-        return _FAMILY[self.name]
+        """The format family of its weights: "nvfp4", "fp8", "mx" or "none" (bf16)."""
+        return self.row.family
 
     @property
     def quantizes_activations(self) -> bool:
         """Whether the Linear's input is quantized (statically or dynamically)."""
-        return self.name in _QUANTIZED_INPUT
+        return self.row.inputs(self.options) is not None
 
     @property
     def static_activations(self) -> bool:
         """Whether the input scale is calibrated (nvfp4-w4a4's outer scale, fp8-w8a8 static)."""
-        return self.name == "nvfp4-w4a4" or (self.name == "fp8-w8a8" and self.activations == "static")
+        return self.row.inputs(self.options) == "static"
 
     @property
     def hessian_scales(self) -> bool:
-        """Whether the NVFP4 weight block scales are chosen with calibration channel weights
-        (scale_rule "hessian" / "hessian-4over6")."""
-        return self.family == "nvfp4" and self.scale_rule in WEIGHTED_RULES
+        """Whether the weight block scales are chosen with calibration channel weights (NVFP4 scale_rule
+        "hessian" / "hessian-4over6")."""
+        return self.scale_rule in self.row.weighted_rules
 
     @property
     def block_size(self) -> Optional[int]:
         """The block along in_features the weight needs whole (16 NVFP4, 32 MX); None: any in_features
         (FP8 per tensor / channel, fp8-block pads its 128x128 tiles, bf16)."""
-        return {"nvfp4": NVFP4.block_size, "mx": MX.block_size}.get(self.family)
+        return self.row.block_size
 
     @property
     def weight_spec(self):
-        """The weight's format spec: NVFP4 / FP8 / MX, or None for bf16."""
-        if self.family == "nvfp4":
-            if self.scale_rule in WEIGHTED_RULES:  # the stored format of the Hessian-aware rules
-                return WEIGHTED_RULES[self.scale_rule]
-            return NVFP4(scale_rule=self.scale_rule, error=self.error)
-        if self.name == "fp8-w8a8":
-            return FP8("e4m3", granularity=self.weights)
-        if self.name == "fp8-block":
-            return FP8("e4m3", "block", (128, 128))
-        if self.family == "mx":
-            return MX("e4m3" if self.name == "mxfp8" else "e2m1", scale_rule=self.scale_rule)
-        return None
+        """The weight's format spec: NVFP4 / FP8 / MX, or None for bf16 (a Hessian-aware rule: the base
+        "sweep" / "4over6" spec, its stored format)."""
+        return self.row.weight(self.options)
 
     @property
     def label(self) -> str:
         """Short text for tables: the name and its non-default options, e.g. "nvfp4-w4a4 4over6-mae a:4over6",
         "fp8-w8a8 channel/dynamic", "mxfp4 floor", "bf16"."""
-        parts = []
-        if self.family == "nvfp4":
-            if self.scale_rule != "6":
-                parts.append(self.scale_rule + (f"-{self.error}" if self.scale_rule == "4over6" else ""))
-            if self.name == "nvfp4-w4a4" and self.act_scale_rule != "6":
-                parts.append(f"a:{self.act_scale_rule}")
-        elif self.name == "fp8-w8a8" and (self.weights, self.activations) != ("tensor", "static"):
-            parts.append(f"{self.weights}/{self.activations}")
-        elif self.family == "mx" and self.scale_rule != "ceil":
-            parts.append(self.scale_rule)
-        return " ".join([self.name] + parts)
+        return " ".join([self.name] + self.row.label(self.options))
 
     def replace(self, **changes) -> "Scheme":
         return dataclasses.replace(self, **changes)
@@ -355,7 +326,7 @@ class PTQRecipe:
             return self
         for option in changes:
             if not any(option in SCHEME_OPTIONS[s.name] and s.family == "nvfp4" for s in self.schemes()):
-                takers = ", ".join(n for n in SCHEME_NAMES if option in SCHEME_OPTIONS[n] and _FAMILY[n] == "nvfp4")
+                takers = ", ".join(n for n in SCHEME_NAMES if option in SCHEME_OPTIONS[n] and scheme_row(n).family == "nvfp4")
                 raise UsageError(f"PTQ recipe {self.name!r} has no NVFP4 scheme that takes {option} ({takers}); its "
                                  f"schemes: {', '.join(s.label for s in self.schemes())}")
 

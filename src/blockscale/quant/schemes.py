@@ -1,0 +1,120 @@
+"""The one table of quantization schemes: what one Linear's weights and inputs become, as data.
+
+A ``SchemeRow`` is a preset name (``nvfp4-w4a4``, ``fp8-block``, ``mxfp4-w4a16``, ...), the format family
+of its weights (a registered format's name, or "none"), its options (each with its allowed values, the
+first the default), and functions of the chosen options: the weight spec, how the inputs are quantized
+(None, "static": a calibrated scale, or "dynamic": computed per token / block at run time), the label
+parts beyond the name, and the stored module the scheme becomes in a checkpoint, as the triple
+(kind, weights, inputs) that ``export.module_schemes.ModuleScheme`` holds. Recipes
+(``recipes.ptq_recipe.Scheme``), the quantized Linears and the checkpoint codecs read these rows instead
+of testing a family's name; adding a scheme is adding a row (and its format, if new).
+
+Rows with ``in_recipes=False`` are stored forms that recipes do not produce but checkpoints of other
+tools hold (FP8 / MXFP8 weights with activations in the model dtype): they name what is loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from .fp8 import FP8
+from .mx import MX
+from .nvfp4 import NVFP4
+from .nvfp4.weighted import WEIGHTED_RULES
+
+#: (kind, weights, inputs) of a stored quantized Linear (see ``export.module_schemes.ModuleScheme``)
+Stored = tuple[str, str, Optional[str]]
+
+
+@dataclass(frozen=True)
+class SchemeRow:
+    """One scheme preset (see the module docstring). ``weight(options)``: the weight's format spec (None:
+    high precision); ``inputs(options)``: None | "static" | "dynamic"; ``label(options)``: parts after the
+    name (its non-default options); ``stores(kind, weights, inputs)``: whether a stored module of that
+    triple is this scheme; ``block_size``: the block along in_features the weight needs whole (None: any
+    in_features); ``weighted_rules``: the scale_rule values that weight the block error by calibration
+    statistics (their stored format is ``weight``'s)."""
+
+    name: str
+    family: str
+    options: Mapping[str, tuple[str, ...]]
+    weight: Callable[[dict], object]
+    inputs: Callable[[dict], Optional[str]]
+    label: Callable[[dict], list[str]]
+    stores: Callable[[str, str, Optional[str]], bool]
+    block_size: Optional[int] = None
+    weighted_rules: frozenset = field(default_factory=frozenset)
+    in_recipes: bool = True
+
+    def defaults(self) -> dict[str, str]:
+        return {k: v[0] for k, v in self.options.items()}
+
+
+def _nvfp4_weight(o: dict):
+    return WEIGHTED_RULES[o["scale_rule"]] if o["scale_rule"] in WEIGHTED_RULES else \
+        NVFP4(scale_rule=o["scale_rule"], error=o["error"])
+
+
+def _nvfp4_label(o: dict) -> list[str]:
+    parts = []
+    if o["scale_rule"] != "6":
+        parts.append(o["scale_rule"] + (f"-{o['error']}" if o["scale_rule"] == "4over6" else ""))
+    if o.get("act_scale_rule", "6") != "6":
+        parts.append(f"a:{o['act_scale_rule']}")
+    return parts
+
+
+def _mx_label(o: dict) -> list[str]:
+    return [o["scale_rule"]] if o["scale_rule"] != "ceil" else []
+
+
+_NVFP4_WEIGHT = {"scale_rule": ("6", "4over6", "sweep", "hessian", "hessian-4over6"), "error": ("mse", "mae", "maxabs")}
+_MX = {"scale_rule": ("ceil", "floor")}
+_HESSIAN = frozenset(WEIGHTED_RULES)
+
+SCHEME_TABLE: tuple[SchemeRow, ...] = (
+    SchemeRow("nvfp4-w4a4", "nvfp4", {**_NVFP4_WEIGHT, "act_scale_rule": ("6", "4over6")}, _nvfp4_weight,
+              lambda o: "static", _nvfp4_label, lambda k, w, i: k == "nvfp4" and i is not None,
+              NVFP4.block_size, _HESSIAN),
+    SchemeRow("nvfp4-w4a16", "nvfp4", dict(_NVFP4_WEIGHT), _nvfp4_weight, lambda o: None, _nvfp4_label,
+              lambda k, w, i: k == "nvfp4" and i is None, NVFP4.block_size, _HESSIAN),
+    SchemeRow("fp8-w8a8", "fp8", {"weights": ("tensor", "channel"), "activations": ("static", "dynamic")},
+              lambda o: FP8("e4m3", granularity=o["weights"]), lambda o: o["activations"],
+              lambda o: [f"{o['weights']}/{o['activations']}"] if (o["weights"], o["activations"]) != ("tensor",
+                                                                                                      "static") else [],
+              lambda k, w, i: k == "fp8" and w != "block" and i is not None),
+    SchemeRow("fp8-block", "fp8", {}, lambda o: FP8("e4m3", "block", (128, 128)), lambda o: "dynamic",
+              lambda o: [], lambda k, w, i: k == "fp8" and w == "block"),
+    SchemeRow("fp8-w8a16", "fp8", {}, lambda o: FP8("e4m3"), lambda o: None, lambda o: [],
+              lambda k, w, i: k == "fp8" and w != "block" and i is None, in_recipes=False),
+    SchemeRow("mxfp8", "mx", dict(_MX), lambda o: MX("e4m3", scale_rule=o["scale_rule"]), lambda o: "dynamic",
+              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e4m3", "e4m3"), MX.block_size),
+    SchemeRow("mxfp4", "mx", dict(_MX), lambda o: MX("e2m1", scale_rule=o["scale_rule"]), lambda o: "dynamic",
+              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e2m1", "e2m1"), MX.block_size),
+    SchemeRow("mxfp4-w4a16", "mx", dict(_MX), lambda o: MX("e2m1", scale_rule=o["scale_rule"]), lambda o: None,
+              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e2m1", None), MX.block_size),
+    SchemeRow("mxfp8-w8a16", "mx", {}, lambda o: MX("e4m3"), lambda o: None, lambda o: [],
+              lambda k, w, i: k == "mx" and (w, i) == ("e4m3", None), MX.block_size, in_recipes=False),
+    SchemeRow("bf16", "none", {}, lambda o: None, lambda o: None, lambda o: [], lambda k, w, i: k == "none"),
+)
+_BY_NAME = {r.name: r for r in SCHEME_TABLE}
+
+#: the names recipes may use, in table order
+RECIPE_SCHEME_NAMES = tuple(r.name for r in SCHEME_TABLE if r.in_recipes)
+
+
+def scheme_row(name: str) -> SchemeRow:
+    """The row named ``name`` (KeyError when there is none)."""
+    return _BY_NAME[name]
+
+
+def stored_scheme_name(kind: str, weights: str, inputs: Optional[str]) -> str:
+    """The name of the scheme a stored quantized Linear (kind, weights, inputs) is (the first row that
+    stores it); ValueError for a triple no row stores."""
+    for row in SCHEME_TABLE:
+        if row.stores(kind, weights, inputs):
+            return row.name
+    raise ValueError(f"no quantization scheme stores a {kind} Linear with weights {weights!r} and inputs {inputs!r}")
+
+
+__all__ = ["RECIPE_SCHEME_NAMES", "SCHEME_TABLE", "SchemeRow", "Stored", "scheme_row", "stored_scheme_name"]
