@@ -60,3 +60,44 @@ def test_compressed_tensors_refuses_an_mx_element_it_has_no_format_for():
     for call in (group_format, lambda s: scheme_args(s)):
         with pytest.raises(ValueError, match="compressed-tensors has no format for MX element 'e5m2'"):
             call(ModuleScheme("mx", "e5m2", None))
+
+
+def _option_sets(name: str):
+    import itertools
+
+    opts = scheme_row(name).options
+    for values in itertools.product(*opts.values()):
+        yield dict(zip(opts, values))
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPE_SCHEME_NAMES if n != "bf16"])
+def test_a_row_says_what_its_linears_are_stored_as_and_what_they_feed_the_gemm(name):
+    """``stored`` is the scheme of the inference Linear PTQ builds, and ``input_quantizer`` is what that Linear
+    does to its inputs: its output is the GEMM of the quantized inputs with the dequantized weight."""
+    import torch
+    import torch.nn.functional as F
+
+    from blockscale.export.module_schemes import ModuleScheme, scheme_of
+    from blockscale.ptq.scheme_modules import build_linear
+    from blockscale.ptq.scheme_quantize import group_weight_scale, rtn_quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 256, generator=g)
+    x = torch.randn(4, 256, generator=g) * 3
+    for options in _option_sets(name):
+        s = Scheme(name, **{k: v for k, v in options.items() if k in ("scale_rule", "error", "act_scale_rule",
+                                                                       "weights", "activations")})
+        if s.hessian_scales:
+            continue  # stored as its base rule (WEIGHTED_RULES); built and fed like it
+        q = rtn_quantize(w, s.weight_spec, group_weight_scale(s, [w]))
+        amax = float(x.abs().max())
+        lin = build_linear(q, None, s, amax, torch.float32)
+        assert scheme_of(lin) == ModuleScheme(*s.stored), (name, options)
+        assert stored_scheme_name(*s.stored) == name
+        iq = s.input_quantizer(amax)
+        assert (iq is None) == (not s.quantizes_activations)
+        fed = x if iq is None else iq(x)
+        torch.testing.assert_close(lin(x), F.linear(fed, lin.dequantized_weight(torch.float32)), rtol=1e-5,
+                                   atol=1e-5)
+        if iq is not None:
+            assert not torch.allclose(fed, x), (name, options)

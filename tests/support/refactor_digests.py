@@ -54,6 +54,28 @@ def _inputs() -> dict[str, torch.Tensor]:
     return {"f32": x, "bf16": x.to(torch.bfloat16), "e3d": torch.randn(4, 32, 64, generator=g)}
 
 
+ROUNDINGS = [("nearest", "hardware"), ("stochastic", "hardware"), ("stochastic", "exact")]
+
+
+def _nvfp4_specs():
+    """(digest name, NVFP4 spec, input name) for every scale rule, error, outer scale, 2-D block and rounding."""
+    import blockscale as bs
+
+    for rule in ("6", "4over6", "4", "sweep"):
+        errors = ("mse", "mae", "maxabs") if rule == "4over6" else ("mse",)
+        for err in errors:
+            for outer in ("tensor", "row", "group", 3.5):
+                for b2d in (False, True):
+                    if b2d and outer == "row":
+                        continue
+                    for rnd, sr in ROUNDINGS:
+                        if rule == "sweep" and rnd != "nearest":
+                            continue
+                        spec = bs.NVFP4(scale_rule=rule, error=err, outer=outer, block_2d=b2d, rounding=rnd, sr_mode=sr)
+                        for xn in ("f32", "bf16", "e3d") if rnd == "nearest" else ("f32",):
+                            yield f"nvfp4/{rule}/{err}/{outer}/{b2d}/{rnd}-{sr}/{xn}", spec, xn
+
+
 def _quant_digests() -> dict[str, str]:
     import blockscale as bs
     from blockscale.quant import decode_rows, encode_rows, WIRE_PAYLOADS
@@ -73,30 +95,18 @@ def _quant_digests() -> dict[str, str]:
         fq = bs.fake_quantize(x, spec, g)
         out[name] = _h(q.codes, q.scales, q.outer_scale, q.amax, q.signs, q.dequantize(), fq)
 
-    roundings = [("nearest", "hardware"), ("stochastic", "hardware"), ("stochastic", "exact")]
-    for rule in ("6", "4over6", "4", "sweep"):
-        errors = ("mse", "mae", "maxabs") if rule == "4over6" else ("mse",)
-        for err in errors:
-            for outer in ("tensor", "row", "group", 3.5):
-                for b2d in (False, True):
-                    if b2d and outer == "row":
-                        continue
-                    for rnd, sr in roundings:
-                        if rule == "sweep" and rnd != "nearest":
-                            continue
-                        spec = bs.NVFP4(scale_rule=rule, error=err, outer=outer, block_2d=b2d, rounding=rnd, sr_mode=sr)
-                        for xn in ("f32", "bf16", "e3d") if rnd == "nearest" else ("f32",):
-                            record(f"nvfp4/{rule}/{err}/{outer}/{b2d}/{rnd}-{sr}/{xn}", spec, xs[xn])
+    for name, spec, xn in _nvfp4_specs():
+        record(name, spec, xs[xn])
     for el in ("e4m3", "e5m2", "e2m1"):
         for rule in ("ceil", "floor"):
-            for rnd, sr in roundings:
+            for rnd, sr in ROUNDINGS:
                 for dim in (-1, 0):
                     spec = bs.MX(element=el, scale_rule=rule, rounding=rnd, sr_mode=sr, dim=dim)
                     for xn in ("f32", "bf16") if rnd == "nearest" else ("f32",):
                         record(f"mx/{el}/{rule}/{rnd}-{sr}/{dim}/{xn}", spec, xs[xn])
     for had in (True, False):
         for rule in ("ceil", "floor"):
-            for rnd, sr in roundings:
+            for rnd, sr in ROUNDINGS:
                 spec = bs.S2F6(hadamard=had, seed=11, scale_rule=rule, rounding=rnd, sr_mode=sr)
                 record(f"s2f6/{had}/{rule}/{rnd}-{sr}/f32", spec, xs["f32"])
     x = xs["f32"]

@@ -144,7 +144,7 @@ def open_tokenizer(source, **kw) -> Optional[ModelTokenizer]:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=False, **kw)
     except (ImportError, MemoryError):
         raise
-    except Exception as e:  # noqa: BLE001: transformers / tokenizers / json errors, translated below
+    except Exception as e:  # noqa: BLE001 -- transformers / tokenizers / json errors, translated below
         msg = _first_line(e)
         if "custom code" in msg or "trust_remote_code" in msg:
             raise CheckpointError(f"{source}: its tokenizer needs custom code (tokenizer_config.json auto_map), "
@@ -251,7 +251,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
 
         try:
             early = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        except Exception:  # noqa: BLE001: from_pretrained below reports an unreadable config
+        except Exception:  # noqa: BLE001 -- from_pretrained below reports an unreadable config
             early = None
         if early is not None:
             check_model_config(early, path / "config.json")

@@ -149,7 +149,7 @@ class PTQConfig:
         """The NVFP4 weight spec of the flat fields; with a recipe, that of its default scheme when it is
         NVFP4 (per-module schemes: ``scheme_plan.assign_schemes``)."""
         if self.recipe is not None:
-            if self.recipe.default.family != "nvfp4":
+            if not isinstance(self.recipe.default.weight_spec, NVFP4):
                 raise UsageError(f"recipe {self.recipe.name!r}: its default scheme {self.recipe.default.label} is not "
                                  "NVFP4; take each module's weight spec from its scheme")
             return self.recipe.default.weight_spec

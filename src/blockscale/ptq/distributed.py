@@ -183,7 +183,7 @@ def _peer_error(name: str, message: str) -> Exception:
     if isinstance(cls, type) and issubclass(cls, Exception):
         try:
             return cls(message)
-        except Exception:  # noqa: BLE001: a class that needs other arguments
+        except Exception:  # noqa: BLE001 -- a class that needs other arguments
             pass
     return RuntimeError(message)
 
@@ -230,7 +230,7 @@ class CalibrationRanks:
         err = None
         try:
             out = fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001: every failure is passed to the other ranks
+        except Exception as exc:  # noqa: BLE001 -- every failure is passed to the other ranks
             err = exc
         _ENTERED[0] += 1
         seen = self._gather_objects(None if err is None else (type(err).__name__, str(err)), "agreeing on errors")
@@ -381,7 +381,7 @@ class CalibrationRanks:
             return method
         try:
             jobs = _jobs(model, linears, experts, stats, ex_stats, schemes, outer_scale)
-        except Exception:  # noqa: BLE001: every rank solves locally (and raises the same error) instead
+        except Exception:  # noqa: BLE001 -- every rank solves locally (and raises the same error) instead
             return method
         mine = {}
         for j, (key, w, st, spec, S) in enumerate(jobs):
@@ -389,7 +389,7 @@ class CalibrationRanks:
                 continue
             try:
                 res = method.quantize_weight(w, st, spec, S)
-            except Exception:  # noqa: BLE001: solved again (and raised) on every rank by quantize_model
+            except Exception:  # noqa: BLE001 -- solved again (and raised) on every rank by quantize_model
                 continue
             mine[key] = (res.q.to("cpu"), res.note)
         results = {}

@@ -28,7 +28,7 @@ def check_recipe_exportable(recipe, format: str) -> None:
     (a PTQ recipe) or its KV-cache scales; ``format``: a registered checkpoint format name."""
     fmt = format_named(format)
     where = {"the default": recipe.default, **{f"rule {i} ({r.match!r})": r.scheme for i, r in enumerate(recipe.rules)}}
-    schemes = {w: _module_scheme(s) for w, s in where.items() if s.family != "none"}
+    schemes = {w: _module_scheme(s) for w, s in where.items() if not s.is_high_precision}
     if not schemes:
         return
     kv = None if recipe.kv_cache is None else ("head" if recipe.kv_cache.per_head else "tensor")

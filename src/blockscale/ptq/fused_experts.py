@@ -42,7 +42,7 @@ from ..nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts, gpt_oss_expert_matric
 from ..nn.scheme_experts import SchemeExperts
 from ..quant.nvfp4 import input_encode_scale
 from .scheme_modules import build_linear
-from .scheme_quantize import fp8_input_granularity, group_weight_scale, rtn_quantize
+from .scheme_quantize import group_weight_scale, rtn_quantize
 from .statistics import InputStatistics, StatisticsRequest
 
 _PROJ = ("gate_up", "down")
@@ -214,8 +214,7 @@ def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Opti
                 odd.append(f"expert {e} {p}: {note}")
     notes, kw, amaxes = [], {}, None
     unrouted = [e for e, t in enumerate(est.tokens()) if t == 0] if est is not None else []
-    static = scheme.name == "nvfp4-w4a4" or (scheme.family == "fp8" and fp8_input_granularity(scheme) == "tensor")
-    if static:  # calibrated input scales, one per expert and projection
+    if scheme.static_activations:  # calibrated input scales, one per expert and projection
         amaxes = {p: [fallback_amax] * E if est is None else _input_amax(est.stats[p], fallback_amax)[0]
                   for p in _PROJ}
     if scheme.name == "nvfp4-w4a4":

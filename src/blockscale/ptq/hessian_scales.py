@@ -22,6 +22,7 @@ from typing import Optional
 
 from ..errors import UsageError
 from ..quant.nvfp4.weighted import quantize_weighted
+from .methods import METHODS
 from .protocol import QuantizedWeight
 from .statistics import StatisticsRequest
 
@@ -52,10 +53,12 @@ class HessianScales:
         if not getattr(scheme, "hessian_scales", False):
             return
         m = self._method
-        if m.name == "gptq":
-            raise UsageError(f"{name}: scale_rule={scheme.scale_rule!r} cannot be combined with method='gptq' (GPTQ "
+        if m.chooses_block_scales:
+            who = type(m).__name__
+            others = " / ".join(n for n, cls in METHODS.items() if not cls.chooses_block_scales)
+            raise UsageError(f"{name}: scale_rule={scheme.scale_rule!r} cannot be combined with method={m.name!r} ({who} "
                              "chooses each group's block scales inside its error-feedback loop, weighted by its own "
-                             "Hessian); use scale_rule 'sweep' or '4over6' with GPTQ, or rtn / awq / smoothquant with "
+                             f"Hessian); use scale_rule 'sweep' or '4over6' with {who}, or {others} with "
                              f"{scheme.scale_rule!r}")
         if getattr(m.options, "clip", False):
             raise UsageError(f"{name}: scale_rule={scheme.scale_rule!r} cannot be combined with {m.name} clip (the "

@@ -58,8 +58,7 @@ def _indivisible(full: str, m: nn.Linear, scheme) -> Optional[str]:
     block = scheme.block_size
     if not block or m.in_features % block == 0:
         return None
-    what = "NVFP4" if scheme.family == "nvfp4" else f"{scheme.name} (MX)"
-    return f"{full}: in_features={m.in_features} is not a multiple of {block}, which {what} checkpoints need"
+    return f"{full}: in_features={m.in_features} is not a multiple of {block}, which {scheme.noun} checkpoints need"
 
 
 def _choose(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig, warnings: list[str],
@@ -75,7 +74,7 @@ def _choose(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig,
     chosen = {}
     for full, m in candidates.items():
         scheme = assigned[full]
-        if scheme.family == "none":  # bf16: kept in high precision, listed in kept_high_precision
+        if scheme.is_high_precision:  # bf16: kept in high precision, listed in kept_high_precision
             by_recipe.add(full)
             continue
         why = _indivisible(full, m, scheme)
@@ -103,8 +102,7 @@ def _experts_indivisible(full: str, H: int, I: int, scheme, gpt_oss: bool) -> Op
     of 128 where gate and up are stored as two Linears (their rows split on a tile boundary; not gpt-oss)."""
     block = scheme.block_size
     if block and (H % block or I % block):
-        what = "NVFP4" if scheme.family == "nvfp4" else f"{scheme.name} (MX)"
-        return (f"{full}: hidden size {H} / intermediate size {I} is not a multiple of {block}, which {what} "
+        return (f"{full}: hidden size {H} / intermediate size {I} is not a multiple of {block}, which {scheme.noun} "
                 "checkpoints need")
     if scheme.name == "fp8-block" and not gpt_oss and I % 128:
         return (f"{full}: intermediate size {I} is not a multiple of 128, which fp8-block experts need (gate and up "
@@ -126,7 +124,7 @@ def _choose_experts(model: nn.Module, layer: nn.Module, lprefix: str, config: PT
         if _matches(full, recipe.ignore):
             continue
         scheme = assign_schemes(model, [full], recipe, used)[full]
-        if scheme.family == "none":
+        if scheme.is_high_precision:
             by_recipe.add(full)
             continue
         keep = "keep it in high precision with exclude=[...] (or a bf16 rule in the recipe)"

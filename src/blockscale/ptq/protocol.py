@@ -84,6 +84,8 @@ class PTQMethod:
     output error under plain RTN with the same S (``LinearReport.rtn_output_rel_err``).
     quantizes_fused_experts: ``quantize_weight`` may be called per expert of a fused 3-D experts module
     (``ptq.fused_experts``); otherwise PTQ refuses models whose fused experts it would quantize.
+    chooses_block_scales: ``quantize_weight`` picks each group's block scales itself (GPTQ, inside its
+    error-feedback loop), so a scale rule that picks them from calibration weights cannot be combined.
     """
 
     name: ClassVar[str] = ""
@@ -93,6 +95,7 @@ class PTQMethod:
     quantizes_with_statistics: ClassVar[bool] = False
     compares_to_rtn: ClassVar[bool] = False
     quantizes_fused_experts: ClassVar[bool] = False
+    chooses_block_scales: ClassVar[bool] = False
 
     def __init__(self, options=None):
         options = self.Options() if options is None else options

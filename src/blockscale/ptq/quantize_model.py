@@ -93,7 +93,7 @@ class PTQReport:
 def _legacy_nvfp4(recipe) -> tuple[NVFP4, Optional[str]]:
     """``LayerContext.weight_spec`` / ``act_scale_rule``: those of the recipe's first NVFP4 scheme (the
     flat config's one scheme), else NVFP4 defaults and None."""
-    nv = next((s for s in recipe.schemes() if s.family == "nvfp4"), None)
+    nv = next((s for s in recipe.schemes() if isinstance(s.weight_spec, NVFP4)), None)
     if nv is None:
         return NVFP4(), None
     return nv.weight_spec, (nv.act_scale_rule if nv.name == "nvfp4-w4a4" else None)

@@ -11,7 +11,6 @@ from ..nn.nvfp4_linear import NVFP4Linear
 from ..quant import QuantizedTensor
 from ..quant.fp8 import scale_from_amax
 from ..quant.nvfp4 import input_encode_scale
-from .scheme_quantize import fp8_input_granularity
 
 
 def build_linear(q: QuantizedTensor, bias, scheme, in_amax: float, dtype: torch.dtype) -> nn.Module:
@@ -25,7 +24,7 @@ def build_linear(q: QuantizedTensor, bias, scheme, in_amax: float, dtype: torch.
                       input_scale_rule=scheme.act_scale_rule, input_error=scheme.error)
         return NVFP4Linear.from_quantized(q, bias, dtype=dtype, **kw)
     if fam == "fp8":
-        g = fp8_input_granularity(scheme)
+        g = scheme.stored[2]
         s_in = None
         if g == "tensor":
             s_in = scale_from_amax(torch.tensor([float(in_amax)], dtype=torch.float32), "e4m3")

@@ -19,18 +19,10 @@ from typing import Callable, Optional
 import torch
 
 from ..formats.fp8 import FP8_DTYPES
-from ..quant import FP8, MX, NVFP4, QuantizedTensor, fake_quantize, quantize
-from ..quant.fp8 import dequantize_values, encode_with_scale, scale_from_amax
-from ..quant.nvfp4 import input_encode_scale, shared_outer_scale
+from ..quant import FP8, NVFP4, QuantizedTensor, quantize
+from ..quant.fp8 import encode_with_scale, scale_from_amax
+from ..quant.nvfp4 import shared_outer_scale
 from ..quant.nvfp4.weighted import WEIGHTED_RULES, quantize_weighted
-
-
-def fp8_input_granularity(scheme) -> Optional[str]:
-    """FP8Linear's ``input_granularity`` for an fp8 scheme: fp8-block "block" (dynamic 1x128),
-    fp8-w8a8 "tensor" (static, calibrated) or "token" (dynamic)."""
-    if scheme.name == "fp8-block":
-        return "block"
-    return "tensor" if scheme.activations == "static" else "token"
 
 
 def group_weight_scale(scheme, weights) -> Optional[torch.Tensor]:
@@ -77,24 +69,9 @@ def rtn_quantize(weight: torch.Tensor, spec, shared: Optional[torch.Tensor] = No
 
 def input_quantizer(scheme, amax: float) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """x -> the activations the scheme's inference module feeds its GEMM (None: weights only), with the
-    static scale from the calibrated input ``amax`` where the scheme has one."""
-    if not scheme.quantizes_activations:
-        return None
-    fam = scheme.family
-    if fam == "nvfp4":
-        enc = input_encode_scale(amax, scheme.act_scale_rule)
-        spec = NVFP4(scale_rule=scheme.act_scale_rule, error=scheme.error)  # as NVFP4Linear.quantize_input
-        return lambda x: fake_quantize(x, spec, encode_scale=enc.to(x.device), check_finite=False)
-    if fam == "fp8":
-        g = fp8_input_granularity(scheme)
-        if g == "tensor":
-            s = scale_from_amax(torch.tensor(float(amax), dtype=torch.float32), "e4m3")
-            return lambda x: dequantize_values(encode_with_scale(x, s.to(x.device), "e4m3"), s.to(x.device)).to(x.dtype)
-        spec = FP8("e4m3", "token") if g == "token" else FP8("e4m3", "block", (1, 128))
-        return lambda x: fake_quantize(x, spec, check_finite=False)
-    wspec = scheme.weight_spec
-    spec = MX(wspec.element, wspec.scale_rule)
-    return lambda x: fake_quantize(x, spec, check_finite=False)
+    static scale from the calibrated input ``amax`` where the scheme has one (the scheme's row:
+    ``quant.schemes.SchemeRow.input_quantizer``)."""
+    return scheme.input_quantizer(amax)
 
 
-__all__ = ["fp8_input_granularity", "fp8_with_scale", "group_weight_scale", "input_quantizer", "rtn_quantize"]
+__all__ = ["fp8_with_scale", "group_weight_scale", "input_quantizer", "rtn_quantize"]

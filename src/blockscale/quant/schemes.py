@@ -17,9 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
-from .fp8 import FP8
+import torch
+
+from .dispatch import fake_quantize
+from .fp8 import FP8, dequantize_values, encode_with_scale, scale_from_amax
 from .mx import MX
-from .nvfp4 import NVFP4
+from .nvfp4 import NVFP4, input_encode_scale
 from .nvfp4.weighted import WEIGHTED_RULES
 
 #: (kind, weights, inputs) of a stored quantized Linear (see ``export.module_schemes.ModuleScheme``)
@@ -33,7 +36,10 @@ class SchemeRow:
     name (its non-default options); ``stores(kind, weights, inputs)``: whether a stored module of that
     triple is this scheme; ``block_size``: the block along in_features the weight needs whole (None: any
     in_features); ``weighted_rules``: the scale_rule values that weight the block error by calibration
-    statistics (their stored format is ``weight``'s)."""
+    statistics (their stored format is ``weight``'s). ``stored(options)``: the (kind, weights, inputs) triple
+    its Linears are stored as (None: high precision); ``input_quantizer(options, amax)``: x -> the inputs
+    the scheme's inference Linear feeds its GEMM, with the static scale from the calibrated input ``amax``
+    where it has one (None: weights only); ``noun``: how messages name the format whose blocks it needs."""
 
     name: str
     family: str
@@ -42,6 +48,9 @@ class SchemeRow:
     inputs: Callable[[dict], Optional[str]]
     label: Callable[[dict], list[str]]
     stores: Callable[[str, str, Optional[str]], bool]
+    stored: Callable[[dict], Optional[Stored]]
+    input_quantizer: Callable[[dict, float], Optional[Callable]]
+    noun: str = ""
     block_size: Optional[int] = None
     weighted_rules: frozenset = field(default_factory=frozenset)
     in_recipes: bool = True
@@ -68,6 +77,38 @@ def _mx_label(o: dict) -> list[str]:
     return [o["scale_rule"]] if o["scale_rule"] != "ceil" else []
 
 
+def _no_inputs(o: dict, amax: float) -> None:
+    return None
+
+
+def _nvfp4_inputs(o: dict, amax: float) -> Callable:
+    """NVFP4 W4A4: the calibrated outer scale of ``input_encode_scale(amax, act_scale_rule)``, blocks as
+    ``nn.NVFP4Linear.quantize_input`` rounds them."""
+    enc = input_encode_scale(amax, o["act_scale_rule"])
+    spec = NVFP4(scale_rule=o["act_scale_rule"], error=o["error"])
+    return lambda x: fake_quantize(x, spec, encode_scale=enc.to(x.device), check_finite=False)
+
+
+def _fp8_inputs(granularity: str, amax: float) -> Callable:
+    """FP8 E4M3 inputs: "tensor" static s = amax / 448 (zero amax -> 1), "token" / "block" (1x128) dynamic."""
+    if granularity == "tensor":
+        s = scale_from_amax(torch.tensor(float(amax), dtype=torch.float32), "e4m3")
+        return lambda x: dequantize_values(encode_with_scale(x, s.to(x.device), "e4m3"), s.to(x.device)).to(x.dtype)
+    spec = FP8("e4m3", "token") if granularity == "token" else FP8("e4m3", "block", (1, 128))
+    return lambda x: fake_quantize(x, spec, check_finite=False)
+
+
+def _mx_inputs(element: str) -> Callable[[dict, float], Callable]:
+    def make(o: dict, amax: float) -> Callable:
+        spec = MX(element, o["scale_rule"])
+        return lambda x: fake_quantize(x, spec, check_finite=False)
+    return make
+
+
+def _fp8_input_granularity(o: dict) -> str:
+    return "tensor" if o["activations"] == "static" else "token"
+
+
 _NVFP4_WEIGHT = {"scale_rule": ("6", "4over6", "sweep", "hessian", "hessian-4over6"), "error": ("mse", "mae", "maxabs")}
 _MX = {"scale_rule": ("ceil", "floor")}
 _HESSIAN = frozenset(WEIGHTED_RULES)
@@ -75,27 +116,37 @@ _HESSIAN = frozenset(WEIGHTED_RULES)
 SCHEME_TABLE: tuple[SchemeRow, ...] = (
     SchemeRow("nvfp4-w4a4", "nvfp4", {**_NVFP4_WEIGHT, "act_scale_rule": ("6", "4over6")}, _nvfp4_weight,
               lambda o: "static", _nvfp4_label, lambda k, w, i: k == "nvfp4" and i is not None,
-              NVFP4.block_size, _HESSIAN),
+              lambda o: ("nvfp4", "nvfp4", "nvfp4"), _nvfp4_inputs, "NVFP4", NVFP4.block_size, _HESSIAN),
     SchemeRow("nvfp4-w4a16", "nvfp4", dict(_NVFP4_WEIGHT), _nvfp4_weight, lambda o: None, _nvfp4_label,
-              lambda k, w, i: k == "nvfp4" and i is None, NVFP4.block_size, _HESSIAN),
+              lambda k, w, i: k == "nvfp4" and i is None, lambda o: ("nvfp4", "nvfp4", None), _no_inputs, "NVFP4",
+              NVFP4.block_size, _HESSIAN),
     SchemeRow("fp8-w8a8", "fp8", {"weights": ("tensor", "channel"), "activations": ("static", "dynamic")},
               lambda o: FP8("e4m3", granularity=o["weights"]), lambda o: o["activations"],
               lambda o: [f"{o['weights']}/{o['activations']}"] if (o["weights"], o["activations"]) != ("tensor",
                                                                                                       "static") else [],
-              lambda k, w, i: k == "fp8" and w != "block" and i is not None),
+              lambda k, w, i: k == "fp8" and w != "block" and i is not None,
+              lambda o: ("fp8", o["weights"], _fp8_input_granularity(o)),
+              lambda o, amax: _fp8_inputs(_fp8_input_granularity(o), amax), "FP8"),
     SchemeRow("fp8-block", "fp8", {}, lambda o: FP8("e4m3", "block", (128, 128)), lambda o: "dynamic",
-              lambda o: [], lambda k, w, i: k == "fp8" and w == "block"),
+              lambda o: [], lambda k, w, i: k == "fp8" and w == "block", lambda o: ("fp8", "block", "block"),
+              lambda o, amax: _fp8_inputs("block", amax), "FP8"),
     SchemeRow("fp8-w8a16", "fp8", {}, lambda o: FP8("e4m3"), lambda o: None, lambda o: [],
-              lambda k, w, i: k == "fp8" and w != "block" and i is None, in_recipes=False),
+              lambda k, w, i: k == "fp8" and w != "block" and i is None, lambda o: ("fp8", "tensor", None),
+              _no_inputs, "FP8", in_recipes=False),
     SchemeRow("mxfp8", "mx", dict(_MX), lambda o: MX("e4m3", scale_rule=o["scale_rule"]), lambda o: "dynamic",
-              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e4m3", "e4m3"), MX.block_size),
+              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e4m3", "e4m3"), lambda o: ("mx", "e4m3", "e4m3"),
+              _mx_inputs("e4m3"), "mxfp8 (MX)", MX.block_size),
     SchemeRow("mxfp4", "mx", dict(_MX), lambda o: MX("e2m1", scale_rule=o["scale_rule"]), lambda o: "dynamic",
-              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e2m1", "e2m1"), MX.block_size),
+              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e2m1", "e2m1"), lambda o: ("mx", "e2m1", "e2m1"),
+              _mx_inputs("e2m1"), "mxfp4 (MX)", MX.block_size),
     SchemeRow("mxfp4-w4a16", "mx", dict(_MX), lambda o: MX("e2m1", scale_rule=o["scale_rule"]), lambda o: None,
-              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e2m1", None), MX.block_size),
+              _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e2m1", None), lambda o: ("mx", "e2m1", None),
+              _no_inputs, "mxfp4-w4a16 (MX)", MX.block_size),
     SchemeRow("mxfp8-w8a16", "mx", {}, lambda o: MX("e4m3"), lambda o: None, lambda o: [],
-              lambda k, w, i: k == "mx" and (w, i) == ("e4m3", None), MX.block_size, in_recipes=False),
-    SchemeRow("bf16", "none", {}, lambda o: None, lambda o: None, lambda o: [], lambda k, w, i: k == "none"),
+              lambda k, w, i: k == "mx" and (w, i) == ("e4m3", None), lambda o: ("mx", "e4m3", None), _no_inputs,
+              "mxfp8-w8a16 (MX)", MX.block_size, in_recipes=False),
+    SchemeRow("bf16", "none", {}, lambda o: None, lambda o: None, lambda o: [], lambda k, w, i: k == "none",
+              lambda o: None, _no_inputs, "high precision"),
 )
 _BY_NAME = {r.name: r for r in SCHEME_TABLE}
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UsageError
+from ..quant import NVFP4
 from ..quant.schemes import RECIPE_SCHEME_NAMES, scheme_row
 from .recipe import DEFAULT_EXCLUDE
 
@@ -97,6 +98,27 @@ class Scheme:
     def family(self) -> str:
         """The format family of its weights: "nvfp4", "fp8", "mx" or "none" (bf16)."""
         return self.row.family
+
+    @property
+    def is_high_precision(self) -> bool:
+        """Whether Linears of this scheme stay unquantized (bf16)."""
+        return self.row.weight(self.options) is None
+
+    @property
+    def stored(self):
+        """The (kind, weights, inputs) its Linears are stored as (``export.module_schemes.ModuleScheme``'s
+        fields; e.g. fp8-w8a8 dynamic -> ("fp8", "tensor", "token")); None for bf16."""
+        return self.row.stored(self.options)
+
+    @property
+    def noun(self) -> str:
+        """How messages name the format whose blocks it needs ("NVFP4", "mxfp4 (MX)", ...)."""
+        return self.row.noun
+
+    def input_quantizer(self, amax: float):
+        """x -> the inputs its inference Linear feeds the GEMM (static scale from the calibrated input
+        ``amax`` where it has one); None for weights-only schemes."""
+        return self.row.input_quantizer(self.options, amax)
 
     @property
     def quantizes_activations(self) -> bool:
@@ -250,6 +272,11 @@ class KVCacheScheme:
         return "kv " + self.format + (" per-head" if self.per_head else "")
 
 
+def _is_nvfp4(s: Scheme) -> bool:
+    """Whether the scheme's weights are NVFP4 (the schemes ``PTQRecipe.with_nvfp4`` sets options on)."""
+    return isinstance(s.weight_spec, NVFP4)
+
+
 @dataclass(frozen=True)
 class PTQRecipe:
     """Which scheme each Linear gets: the first of ``rules`` that matches, else ``default``; Linears
@@ -325,13 +352,13 @@ class PTQRecipe:
         if not changes:
             return self
         for option in changes:
-            if not any(option in SCHEME_OPTIONS[s.name] and s.family == "nvfp4" for s in self.schemes()):
-                takers = ", ".join(n for n in SCHEME_NAMES if option in SCHEME_OPTIONS[n] and scheme_row(n).family == "nvfp4")
+            if not any(option in SCHEME_OPTIONS[s.name] and _is_nvfp4(s) for s in self.schemes()):
+                takers = ", ".join(n for n in SCHEME_NAMES if option in SCHEME_OPTIONS[n] and _is_nvfp4(Scheme(n)))
                 raise UsageError(f"PTQ recipe {self.name!r} has no NVFP4 scheme that takes {option} ({takers}); its "
                                  f"schemes: {', '.join(s.label for s in self.schemes())}")
 
         def fix(s: Scheme) -> Scheme:
-            if s.family != "nvfp4":
+            if not _is_nvfp4(s):
                 return s
             return s.replace(**{k: v for k, v in changes.items() if k in SCHEME_OPTIONS[s.name]})
 

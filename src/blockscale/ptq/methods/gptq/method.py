@@ -27,6 +27,7 @@ class GPTQ(PTQMethod):
     quantizes_with_statistics = True
     compares_to_rtn = True
     quantizes_fused_experts = True
+    chooses_block_scales = True
 
     def statistics(self) -> StatisticsRequest:
         return StatisticsRequest(hessian=True)
