@@ -1,6 +1,7 @@
-"""Checkpoint formats behind one protocol (``blockscale.export.registry``): a third format, defined
-here and registered from this file only, is written and read by the unchanged ``export_checkpoint`` /
-``load_checkpoint`` under its own tensor names, config and side file, is found by the one detector
+"""Checkpoint formats behind one protocol (``blockscale.export.registry`` + ``codecs``): a third format,
+defined here (a ``CheckpointFormat`` and its NVFP4 ``TensorCodec``) and registered from this file only,
+is written and read by the unchanged ``export_checkpoint`` / ``load_checkpoint`` under its own tensor
+names, config and side file, is found by the one detector
 (``models.checkpoint_detection``, which ``models.hf`` shares), and disappears again when unregistered;
 checkpoint.py and load.py never name a format."""
 import ast
@@ -13,8 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 import blockscale.export as ex
-from blockscale.export import (CheckpointError, CheckpointFormat, LayerTensors, QuantScheme, checkpoint_format,
-                               export_checkpoint, load_checkpoint)
+from blockscale.export import (CheckpointError, CheckpointFormat, ModuleScheme, ParsedConfig, TensorCodec,
+                               checkpoint_format, export_checkpoint, load_checkpoint)
+from blockscale.export import tensor_kinds
+from blockscale.export.codecs import codecs_of
+from blockscale.export.stored_checks import nvfp4_stored
 from blockscale.models.checkpoint_detection import directory_format
 from blockscale.models.hf import is_blockscale_checkpoint
 
@@ -31,21 +35,21 @@ NAMES = {"weight_packed": "codes", "weight_scale": "block_scales", "weight_globa
 CHECKED: list[str] = []  # module names check_module saw
 
 
-def _qcfg(w4a4: bool, ignore: list, producer: dict, blockscale: dict) -> dict:
+def _qcfg(schemes: dict, ignore: list, producer: dict, blockscale: dict, kv) -> dict:
+    w4a4 = any(s.inputs for s in schemes.values())
     return {"quant_method": METHOD, "activations": "nvfp4" if w4a4 else None, "blockscale": blockscale}
 
 
-def _side(w4a4: bool, ignore: list, producer: dict) -> dict:
+def _side(schemes: dict, ignore: list, producer: dict, kv) -> dict:
     return {SIDE: {"skip": list(ignore), "producer": producer}}
 
 
-def _export_tensor(buffer: str, t: torch.Tensor):
-    if buffer in ("weight_global_scale", "input_global_scale"):
-        return NAMES[buffer], t.detach().to(torch.float32).reshape(())
-    return NAMES[buffer], t
+def _export(s: ModuleScheme, bufs: dict) -> dict:
+    return {NAMES[b]: t.detach().to(torch.float32).reshape(()) if b.endswith("global_scale") else t
+            for b, t in bufs.items()}
 
 
-def _check(name: str, m) -> None:
+def _check(name: str, m, s: ModuleScheme) -> None:
     CHECKED.append(name)
 
 
@@ -53,37 +57,41 @@ def _detects(qcfg: Optional[dict], has_file) -> bool:
     return qcfg is not None and qcfg.get("quant_method") == METHOD and has_file(SIDE)
 
 
-def _parse(qcfg: Optional[dict], side: dict) -> QuantScheme:
+def _parse(qcfg: Optional[dict], side: dict) -> ParsedConfig:
     skip = set(side[SIDE]["skip"])
-    return QuantScheme(w4a4=qcfg.get("activations") == "nvfp4", is_ignored=skip.__contains__,
-                       is_target=lambda name: True)
+    s = ModuleScheme("nvfp4", "nvfp4", "nvfp4" if qcfg.get("activations") == "nvfp4" else None)
+    return ParsedConfig(scheme_of=lambda name: None if name in skip else s)
 
 
-def _expected(in_features: int, out_features: int, w4a4: bool) -> dict:
-    d = {"codes": (torch.uint8, ((out_features, in_features // 2),)),
-         "block_scales": (torch.float8_e4m3fn, ((out_features, in_features // 16),)),
-         "encode_scale": (torch.float32, ((),))}
-    if w4a4:
-        d["input_encode_scale"] = (torch.float32, ((),))
+def _expected(s: ModuleScheme, out_features: int, in_features: int) -> dict:
+    d = {"codes": ((torch.uint8,), ((out_features, in_features // 2),)),
+         "block_scales": ((torch.float8_e4m3fn,), ((out_features, in_features // 16),)),
+         "encode_scale": ((torch.float32,), ((),))}
+    if s.inputs:
+        d["input_encode_scale"] = ((torch.float32,), ((),))
     return d
 
 
-def _read(t: dict) -> LayerTensors:
-    S_in = t.get("input_encode_scale")
-    return LayerTensors(t["codes"], t["block_scales"], t["encode_scale"].reshape(1),
-                        None if S_in is None else S_in.reshape(1))
+def _read(s: ModuleScheme, t: dict) -> dict:
+    out = {"weight_packed": t["codes"], "weight_scale": t["block_scales"], "weight_global_scale": t["encode_scale"].reshape(1)}
+    if "input_encode_scale" in t:
+        out["input_global_scale"] = t["input_encode_scale"].reshape(1)
+    return out
 
 
 TEST_FORMAT = CheckpointFormat(
-    name=NAME, quant_method=METHOD, aliases=("bst",), tensor_names=NAMES, quantization_config=_qcfg,
-    export_tensor=_export_tensor, detects=_detects, parse_config=_parse, expected_tensors=_expected, read_layer=_read,
-    decode_scale=lambda stored: 1.0 / stored.to(torch.float32), side_files=_side,
-    side_file_names={SIDE: "test quantization config"}, check_module=_check)
+    name=NAME, quant_method=METHOD, aliases=("bst",), quantization_config=_qcfg, detects=_detects, parse=_parse,
+    side_files=_side, side_file_names={SIDE: "test quantization config"})
+TEST_CODEC = TensorCodec(
+    format=NAME, kind=tensor_kinds.NVFP4, export=_export, read=_read, expected=_expected, describe=lambda s: "nvfp4",
+    check_stored=nvfp4_stored(NAMES, lambda stored: 1.0 / stored.to(torch.float32)), check=_check,
+    siblings_share=lambda s: ("encode_scale",) + (("input_encode_scale",) if s.inputs else ()))
 
 
 @pytest.fixture
 def registered():
     ex.register_format(TEST_FORMAT)
+    ex.register_codec(TEST_CODEC)
     CHECKED.clear()
     yield TEST_FORMAT
     ex.unregister_format(NAME)
@@ -137,7 +145,7 @@ def test_the_format_is_validated_like_the_others(tmp_path, registered):
 def test_unregistered_it_is_gone(tmp_path, registered):
     out = export_checkpoint(make_model(layers=1), tmp_path / "bst", NAME)
     ex.unregister_format(NAME)
-    assert NAME not in ex.FORMATS and list(ex.FORMATS) == [CT, MO]
+    assert NAME not in ex.FORMATS and list(ex.FORMATS) == [CT, MO] and not codecs_of(NAME)
     with pytest.raises(ValueError, match=r"format='bst'; supported: 'compressed-tensors'"):
         ex.format_named("bst")
     assert directory_format(out) is None and not is_blockscale_checkpoint(out)
@@ -150,16 +158,15 @@ def test_registration_refuses_clashes_and_incomplete_names(registered):
 
     with pytest.raises(ValueError, match=r"'ct' is already registered by 'compressed-tensors'"):
         ex.register_format(dataclasses.replace(TEST_FORMAT, name="other", aliases=("ct",)))
-    with pytest.raises(ValueError, match="tensor_names must map exactly"):
-        ex.register_format(dataclasses.replace(TEST_FORMAT, name="other", aliases=(),
-                                               tensor_names={"weight_packed": "codes"}))
     with pytest.raises(TypeError, match="CheckpointFormat"):
         ex.register_format({"name": "other"})
+    with pytest.raises(TypeError, match="TensorCodec"):
+        ex.register_codec({"format": "other"})
     assert set(ex.FORMATS) == {CT, MO, NAME}
 
 
 # ---- export and load never name a format ----------------------------------------------------------
-@pytest.mark.parametrize("module", ["checkpoint", "load"])
+@pytest.mark.parametrize("module", ["checkpoint", "load", "export_plan", "load_plan"])
 def test_export_and_load_never_branch_on_a_format_name(module):
     path = Path(ex.__file__).parent / f"{module}.py"
     tree = ast.parse(path.read_text())

@@ -469,7 +469,10 @@ def test_a_format_without_mixed_support_refuses_fp8_and_kv(tmp_path):
 
     import blockscale.export as ex
 
-    fmt = ex.register_format(dataclasses.replace(ex.FORMATS[CT], name="nvfp4-only", aliases=(), mixed=None))
+    from blockscale.export import ct_codecs
+
+    fmt = ex.register_format(dataclasses.replace(ex.FORMATS[CT], name="nvfp4-only", aliases=(), kv=None))
+    ex.register_codec(dataclasses.replace(ct_codecs.NVFP4, format=fmt.name))
     try:
         with pytest.raises(ValueError, match=r"'nvfp4-only' stores NVFP4 Linears only, not fp8-w8a8; use "
                                              r"format='compressed-tensors'"):

@@ -28,7 +28,7 @@ from blockscale.export import export_checkpoint
 from blockscale.models.hf import load_model
 from blockscale.models.hf_streaming import real_bytes
 from blockscale.ptq import PTQConfig, quantize_model
-from blockscale.ptq.streaming import KILL_ENV, quantize_streaming
+from blockscale.ptq.streaming import quantize_streaming
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,6 +145,35 @@ def test_streaming_equals_in_memory(models, tmp_path, model, method, recipe, fmt
     assert not (tmp_path / ".out.streaming").exists()  # the work directory is removed on success
 
 
+def test_the_steps_of_a_streaming_run(models, tmp_path):
+    """``StreamingQuantizer``: resume() / process_layer(i) / export() called one by one write what
+    quantize_streaming writes; a run stopped after a layer resumes at the next one."""
+    from blockscale.ptq import StreamingOptions, StreamingQuantizer
+
+    src, cfg = models["llama"], _cfg("gptq")
+    ref = _in_memory(src, tmp_path / "ref", cfg, "compressed-tensors")
+
+    def quantizer(resume=False):
+        opts = StreamingOptions(max_shard_size=SHARD, metadata={"run": "test"}, progress=False, resume=resume)
+        return StreamingQuantizer(src, tmp_path / "out", cfg, CALIB_IDS, "compressed-tensors", opts)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = quantizer()
+        assert first.resume() == 0
+        first.process_layer(0)  # then stopped: the work directory records layer 0
+        second = quantizer(resume=True)
+        assert second.resume() == 1
+        for i in range(1, len(second.layers)):
+            second.process_layer(i)
+        report = second.export()
+    assert len(report.linears) == 7 * 3
+    _assert_same(ref, tmp_path / "out")
+    assert not (tmp_path / ".out.streaming").exists()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shard_size'"):
+        quantize_streaming(src, tmp_path / "o2", cfg, CALIB_IDS, shard_size="20KB")
+
+
 def test_released_layers_hold_only_small_tensors(models, tmp_path):
     """After each layer: the released layers keep only their scales (< 1% of a float layer's bytes)."""
     src = models["llama"]
@@ -170,33 +199,40 @@ def test_offload_activations(models, tmp_path):
 
 
 _CHILD = textwrap.dedent("""
-    import sys, warnings, torch
+    import os, signal, sys, warnings, torch
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     from blockscale.ptq import PTQConfig
     from blockscale.ptq.streaming import quantize_streaming
     src, out, method = sys.argv[1], sys.argv[2], sys.argv[3]
+    kill_after = int(sys.argv[4]) if len(sys.argv) > 4 else None
     calib = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
     cfg = PTQConfig(method=method, n_samples=4, seq_len=16, batch_size=2)
     def on_layer(i, phase, m):
         print(phase, i, flush=True)
+        if phase == "released" and i == kill_after:  # layer i is recorded in the work directory
+            os.kill(os.getpid(), signal.SIGKILL)
     quantize_streaming(src, out, cfg, calib if cfg.needs_calibration else None, "compressed-tensors",
                        max_shard_size="20KB", metadata={"run": "test"}, progress=False, on_layer=on_layer)
     print("finished", flush=True)
 """)
 
 
-def _child(src, out, method, env=None):
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(out), method], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=e, cwd=ROOT)
+def _child(src, out, method, kill_after=None):
+    """The run in a child process, printing each ``on_layer`` call; ``kill_after``: it SIGKILLs itself once
+    that layer is recorded."""
+    argv = [sys.executable, "-c", _CHILD, str(src), str(out), method]
+    if kill_after is not None:
+        argv.append(str(kill_after))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
 
 
 @pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow)])  # 1 in make test
 def test_kill_after_layer_and_resume(models, tmp_path, k):
     src, cfg = models["llama"], _cfg("gptq")
     ref = _in_memory(src, tmp_path / "ref", cfg, "compressed-tensors")
-    p = _child(src, tmp_path / "out", "gptq", {KILL_ENV: str(k)})
+    p = _child(src, tmp_path / "out", "gptq", kill_after=k)
     out, err = p.communicate(timeout=120)
     assert p.returncode == -signal.SIGKILL, err
     assert f"released {k}" in out and "finished" not in out
@@ -236,7 +272,7 @@ def test_sigkill_at_a_random_moment_and_resume(models, tmp_path):
 
 def test_resume_with_other_inputs_is_refused(models, tmp_path):
     src = models["llama"]
-    p = _child(src, tmp_path / "out", "gptq", {KILL_ENV: "0"})
+    p = _child(src, tmp_path / "out", "gptq", kill_after=0)
     p.communicate(timeout=120)
     assert p.returncode == -signal.SIGKILL
     with pytest.raises(UsageError, match="made with another PTQ config and calibration set;"):  # rtn: none

@@ -101,3 +101,15 @@ def test_a_row_says_what_its_linears_are_stored_as_and_what_they_feed_the_gemm(n
                                    atol=1e-5)
         if iq is not None:
             assert not torch.allclose(fed, x), (name, options)
+
+
+def test_stored_labels_say_what_the_name_does_not():
+    from blockscale.quant.schemes import stored_scheme_label
+
+    assert stored_scheme_label("fp8", "channel", "token") == "fp8-w8a8 channel/token"
+    assert stored_scheme_label("fp8", "block", "block") == "fp8-block block/block"
+    assert stored_scheme_label("fp8", "tensor", None) == "fp8-w8a16 tensor/none"
+    assert stored_scheme_label("nvfp4", "nvfp4", "nvfp4") == "nvfp4-w4a4"
+    assert stored_scheme_label("mx", "e2m1", None) == "mxfp4-w4a16"
+    with pytest.raises(ValueError, match="no quantization scheme stores"):
+        stored_scheme_label("mx", "e5m2", None)

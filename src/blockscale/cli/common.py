@@ -3,7 +3,6 @@ terminal only, JSON-safe records, the --debug / --threads / --skip-indivisible f
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from ..errors import UsageError
@@ -115,22 +114,6 @@ def local_path(model: str):
     return p if p.exists() else None
 
 
-def jsonable(obj):
-    """``obj`` as strict JSON data: non-finite floats and other objects become strings."""
-    import json
-
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return str(v)
-        if isinstance(v, dict):
-            return {str(k): clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-
-    return clean(json.loads(json.dumps(obj, default=str)))
-
-
 def check_eval_ctx(prog: str, model, ctx: int, given: bool) -> None:
     """One warning line when ``ctx`` exceeds the model's ``max_position_embeddings``."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -158,5 +141,5 @@ def add_common(p, threads: bool = True) -> None:
 
 
 __all__ = ["DEBUG_HELP", "add_common", "add_skip_indivisible", "check_eval_ctx", "checkpoint_formats",
-           "is_ptq_recipe_file", "jsonable", "local_path", "parse_dtype", "resolve_ptq_recipe", "resolve_recipe", "setup",
+           "is_ptq_recipe_file", "local_path", "parse_dtype", "resolve_ptq_recipe", "resolve_recipe", "setup",
            "show_progress"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -18,9 +20,10 @@ from .. import lsq
 from ..export import export_checkpoint, load_checkpoint, size_breakdown
 from ..ptq.pipeline import open_model as load_model
 from ..ptq import PTQConfig
-from ..ptq.pipeline import default_texts, evaluate_ppl, quantized_copy, record_dict
+from ..ptq.pipeline import TextDefaults, default_texts, evaluate_ppl, quantized_copy, record_dict
 from ..data.text_sources import calibration_batches
 from ..file_errors import write_text_atomic
+from ..models.hf import LoadedModel
 
 
 def _table(rows, fp_ppl) -> str:
@@ -86,6 +89,22 @@ def _remove_empty(created: list[Path]) -> None:
             break
 
 
+@dataclass
+class _Session:
+    """What the demo's steps share: the loaded model, its texts (``ptq.pipeline.default_texts``), the
+    evaluation subset (None: all), and the table rows and report entries each step adds."""
+
+    lm: LoadedModel
+    texts: TextDefaults
+    eval_tokens: Optional[int]
+    rows: list = field(default_factory=list)
+    reports: dict = field(default_factory=dict)
+
+    def ppl(self, model):
+        d = self.texts
+        return evaluate_ppl(model, self.lm.tokenizer, d.eval, d.ctx, d.bos, self.eval_tokens)
+
+
 def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best: str, lsq_steps: int,
          lsq_lr: float, lsq_train: str, lsq_lr_weights: float, t_start: float) -> int:
     print(f"[demo] loading {model} ...", flush=True)
@@ -95,69 +114,99 @@ def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best:
     subset = f"the first {eval_tokens} tokens" if eval_tokens else "all"
     print(f"[demo] {type(lm.model).__name__}, {n_params / 1e6:.1f}M parameters; evaluating on {subset} of {d.eval} "
           f"(ctx {d.ctx}); calibration: {n_samples} x {seq_len} tokens of {d.calib}", flush=True)
-    fp = evaluate_ppl(lm.model, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
-    rows = [("full precision", fp, None)]
+    s = _Session(lm, d, eval_tokens)
+    fp = s.ppl(lm.model)
+    s.rows.append(("full precision", fp, None))
     print(f"[demo] full precision: ppl {fp.ppl:.3f}", flush=True)
     configs = [
         ("NVFP4 RTN (scale to 6)", PTQConfig(method="rtn", skip_indivisible=True)),
         ("NVFP4 RTN + 4/6 (MSE)", PTQConfig(method="rtn", scale_rule="4over6", skip_indivisible=True)),
         _best_config(best, n_samples, seq_len),
     ]
-    reports = {}
+    qmodel, latent = _quantize_each(s, configs)
+    last = configs[-1][0]
+    if lsq_steps:
+        last = _learn_scales(s, qmodel, latent, last, lsq_steps, lsq_lr, lsq_train, lsq_lr_weights)
+    ckpt = out / "checkpoint-compressed-tensors"
+    same, rec = _export_and_reload(s, qmodel, ckpt, model, last)
+    kept = s.reports[configs[0][0]]["kept_high_precision"]
+    _print_table(s, model, subset, fp, kept, same, ckpt)
+    report = {"model": model, "eval": record_dict(fp), "rows": s.reports, "reloaded_ppl": record_dict(rec),
+              "reloaded_logits_bit_identical": same, "checkpoint": str(ckpt), "seconds": time.time() - t_start}
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
+    print(f"report: {out / 'report.json'}  (total {time.time() - t_start:.0f} s)")
+    return 0 if same else 1
+
+
+def _quantize_each(s: _Session, configs):
+    """Quantize a copy of the model with each (label, PTQConfig) and evaluate it; the last copy and its
+    latent weights (``quantize_model(latent_weights=)``)."""
     qmodel = latent = None
     for label, cfg in configs:
         print(f"[demo] quantizing: {label} ...", flush=True)
         latent = {}
-        qmodel, rep = quantized_copy(lm.model, lm.tokenizer, cfg, d.calib, d.calib_bos, latent_weights=latent)
-        rec = evaluate_ppl(qmodel, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
-        rows.append((label, rec, rep.seconds))
-        reports[label] = {"config": cfg.to_dict(), "ppl": record_dict(rec), "seconds": rep.seconds,
-                          "kept_high_precision": rep.kept_high_precision}
+        qmodel, rep = quantized_copy(s.lm.model, s.lm.tokenizer, cfg, s.texts.calib, s.texts.calib_bos,
+                                     latent_weights=latent)
+        rec = s.ppl(qmodel)
+        s.rows.append((label, rec, rep.seconds))
+        s.reports[label] = {"config": cfg.to_dict(), "ppl": record_dict(rec), "seconds": rep.seconds,
+                            "kept_high_precision": rep.kept_high_precision}
         print(f"[demo] {label}: ppl {rec.ppl:.3f} ({rep.seconds:.1f} s to quantize)", flush=True)
-    last = configs[-1][0]
+    return qmodel, latent
 
-    if lsq_steps:
-        what = "scales and weights" if lsq_train == "all" else "scales"
-        label = f"{last} + learned {what} ({lsq_steps} steps)"
-        lrs = f"lr {lsq_lr:g}" + (f", weights {lsq_lr_weights:g}" if lsq_train == "all" else "")
-        print(f"[demo] learning the block value scales{' and latent weights' if lsq_train == 'all' else ''} of the "
-              f"{last} model: {lsq_steps} steps of distillation from the full-precision model (dual scales, the "
-              f"codes' scales frozen; {lrs}; 4 x 128 tokens of {d.calib} per step) ...", flush=True)
-        t = time.time()
-        weights, _ = lsq.exact_latent_weights(qmodel, latent)  # step 0 == the PTQ model, bit for bit
-        lsq.enable(qmodel, init="stored", weights=weights, **lsq.RECOVERY_ENABLE)
-        tokens = calibration_batches(lm.tokenizer, d.calib, 512, 128, seed=1, bos=d.calib_bos)
-        res = lsq.distill(qmodel, lm.model, tokens, lsq.recovery_distill_config(
-            lsq_steps, lr_scales=lsq_lr, train=lsq_train, lr_weights=lsq_lr_weights))
-        lsq.freeze(qmodel)  # a plain NVFP4 model again, with the learned codes and E4M3 scales
-        secs = time.time() - t
-        rec = evaluate_ppl(qmodel, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
-        rows.append((label, rec, secs))
-        reports[label] = {"steps": lsq_steps, "lr_scales": lsq_lr, "mode": "dual", "train": lsq_train,
-                          "lr_weights": lsq_lr_weights if lsq_train == "all" else None, "ppl": record_dict(rec),
-                          "seconds": secs, "trainable_params": res["trainable_params"],
-                          "first_loss": res["first_loss"], "final_loss": res["final_loss"]}
-        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable values)",
-              flush=True)
-        last = label
 
-    ckpt = out / "checkpoint-compressed-tensors"
+def _learn_scales(s: _Session, qmodel, latent, last: str, lsq_steps: int, lsq_lr: float, lsq_train: str,
+                  lsq_lr_weights: float) -> str:
+    """Distil ``qmodel``'s block value scales (and latent weights: ``lsq_train="all"``) from the full-precision
+    model, in place, and evaluate it; its row label."""
+    d = s.texts
+    what = "scales and weights" if lsq_train == "all" else "scales"
+    label = f"{last} + learned {what} ({lsq_steps} steps)"
+    lrs = f"lr {lsq_lr:g}" + (f", weights {lsq_lr_weights:g}" if lsq_train == "all" else "")
+    print(f"[demo] learning the block value scales{' and latent weights' if lsq_train == 'all' else ''} of the "
+          f"{last} model: {lsq_steps} steps of distillation from the full-precision model (dual scales, the "
+          f"codes' scales frozen; {lrs}; 4 x 128 tokens of {d.calib} per step) ...", flush=True)
+    t = time.time()
+    weights, _ = lsq.exact_latent_weights(qmodel, latent)  # step 0 == the PTQ model, bit for bit
+    lsq.enable(qmodel, init="stored", weights=weights, **lsq.RECOVERY_ENABLE)
+    tokens = calibration_batches(s.lm.tokenizer, d.calib, 512, 128, seed=1, bos=d.calib_bos)
+    res = lsq.distill(qmodel, s.lm.model, tokens, lsq.recovery_distill_config(
+        lsq_steps, lr_scales=lsq_lr, train=lsq_train, lr_weights=lsq_lr_weights))
+    lsq.freeze(qmodel)  # a plain NVFP4 model again, with the learned codes and E4M3 scales
+    secs = time.time() - t
+    rec = s.ppl(qmodel)
+    s.rows.append((label, rec, secs))
+    s.reports[label] = {"steps": lsq_steps, "lr_scales": lsq_lr, "mode": "dual", "train": lsq_train,
+                        "lr_weights": lsq_lr_weights if lsq_train == "all" else None, "ppl": record_dict(rec),
+                        "seconds": secs, "trainable_params": res["trainable_params"],
+                        "first_loss": res["first_loss"], "final_loss": res["final_loss"]}
+    print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable values)",
+          flush=True)
+    return label
+
+
+def _export_and_reload(s: _Session, qmodel, ckpt: Path, model: str, last: str):
+    """Export ``qmodel`` to ``ckpt``, reload it and evaluate it: (its logits on a probe equal the in-memory
+    model's bit for bit, its perplexity record)."""
     print(f"[demo] exporting the last model to {ckpt} ...", flush=True)
-    export_checkpoint(qmodel, ckpt, "compressed-tensors", tokenizer=lm.tokenizer.hf, overwrite=True,
+    export_checkpoint(qmodel, ckpt, "compressed-tensors", tokenizer=s.lm.tokenizer.hf, overwrite=True,
                       metadata={"model": model, "method": last})
     reloaded = load_checkpoint(ckpt)
-    probe = lm.tokenizer.encode_tensor("The quick brown fox jumps over the lazy dog.")[None]
+    probe = s.lm.tokenizer.encode_tensor("The quick brown fox jumps over the lazy dog.")[None]
     with torch.no_grad():
         same = torch.equal(qmodel(probe).logits, reloaded(probe).logits)
-    rec = evaluate_ppl(reloaded, lm.tokenizer, d.eval, d.ctx, d.bos, eval_tokens)
-    rows.append((f"{last}, reloaded from {ckpt.name}", rec, None))
-    kept = reports[configs[0][0]]["kept_high_precision"]
-    size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    rec = s.ppl(reloaded)
+    s.rows.append((f"{last}, reloaded from {ckpt.name}", rec, None))
+    return same, rec
 
+
+def _print_table(s: _Session, model: str, subset: str, fp, kept, same: bool, ckpt: Path) -> None:
+    """The perplexity table and what the checkpoint holds."""
+    size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     print()
-    print(f"Perplexity of {model} on {subset} of {d.eval} (ctx {d.ctx}, non-overlapping windows, "
+    print(f"Perplexity of {model} on {subset} of {s.texts.eval} (ctx {s.texts.ctx}, non-overlapping windows, "
           f"{fp.tokens_evaluated} tokens scored); NVFP4 weights, full-precision activations (W4A16):")
-    print(_table(rows, fp.ppl))
+    print(_table(s.rows, fp.ppl))
     if kept:
         print(f"kept in high precision (excluded by default, or in_features not a multiple of 16): {', '.join(kept)}")
     print(f"\nreloaded logits equal the in-memory quantized model's bit for bit: {same}")
@@ -165,11 +214,6 @@ def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best:
     sizes = size_breakdown(ckpt)
     hint = " (`blockscale quantize --dtype bfloat16` halves the fp32 part)" if "fp32" in str(sizes) else ""
     print(f"  {sizes}{hint}")
-    report = {"model": model, "eval": record_dict(fp), "rows": reports, "reloaded_ppl": record_dict(rec),
-              "reloaded_logits_bit_identical": same, "checkpoint": str(ckpt), "seconds": time.time() - t_start}
-    write_text_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
-    print(f"report: {out / 'report.json'}  (total {time.time() - t_start:.0f} s)")
-    return 0 if same else 1
 
 
 __all__ = ["run_demo"]

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, check_device,
                          check_model, check_out, check_product, check_run_dir, check_text, number)
-from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, jsonable, local_path,
+from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, local_path,
                      resolve_ptq_recipe, setup, show_progress)
-from .quantize import quantize_reported, skip_indivisible
+from ..export.common import jsonable
+from .quantize import method_names, quantize_reported, skip_indivisible
 from ..errors import UsageError
 
 DEFAULT_LR_SCALES = 3e-3  # --param amax: docs/results/scale-learning.md
@@ -25,7 +26,6 @@ DEFAULT_MODE = "dual"  # value scales on the PTQ grid (with DEFAULT_LR_PRE_FACTO
 DEFAULT_PARAM = "log"
 DEFAULT_SCHEDULE = "cosine"
 DEFAULT_LR_PRE_FACTOR = 0.0  # --mode dual: the pre amaxes (codes) stay at the PTQ scales (docs/lsq.md "Dual scales")
-INIT_METHODS = ("rtn", "awq", "smoothquant", "gptq")
 MAX_LR = 1e6  # Adam's first step moves a tensor by up to 10 lr: far below FP32's range, far above any useful lr
 
 
@@ -64,15 +64,23 @@ def teacher_from_metadata(ckpt: Path, recorded) -> str:
     return recorded
 
 
+def _given_teacher(args):
+    """--teacher, checked as a model argument; None when not given."""
+    if not args.teacher:
+        return None
+    check_model(args.teacher, "--teacher")
+    return args.teacher
+
+
 def resolve_teacher(args, ckpt: Path) -> str:
     """The teacher of a checkpoint input: --teacher, or with --teacher-from-metadata the recorded name."""
     from ..models.hf import source_model
 
     if args.teacher and args.teacher_from_metadata:
         raise UsageError("--teacher and --teacher-from-metadata both name the teacher: give one of them")
-    if args.teacher:
-        check_model(args.teacher, "--teacher")
-        return args.teacher
+    teacher = _given_teacher(args)
+    if teacher:
+        return teacher
     recorded = source_model(ckpt)
     if args.teacher_from_metadata:
         return teacher_from_metadata(ckpt, recorded)
@@ -92,10 +100,7 @@ def resolve_model_teacher(args) -> str:
     if args.teacher_from_metadata:
         raise UsageError("--teacher-from-metadata: only with a quantized checkpoint input (its metadata names the "
                          f"source model); {args.model} is a model, its own teacher unless --teacher says otherwise")
-    if args.teacher:
-        check_model(args.teacher, "--teacher")
-        return args.teacher
-    return args.model
+    return _given_teacher(args) or args.model
 
 
 def same_model(a: str, b: str) -> bool:
@@ -162,20 +167,8 @@ def _check_schedule_flags(args) -> None:
                          "checkpoint)")
 
 
-def cmd_learn_scales(args) -> int:
-    import copy
-
-    import torch
-
-    from .. import lsq
-    from ..export import export_checkpoint
-    from ..models.hf import is_blockscale_checkpoint, load_model
-    from ..models.vocabulary import check_same_vocabulary, declared_vocab_size
-    from ..train import TrainingDivergedError
-    from ..ptq import PTQConfig
-    from ..ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, open_model, record_dict
-    from ..data.text_sources import calibration_batches
-
+def _check_flags(args) -> str:
+    """Every flag on its own and in combination, before anything loads; returns this rank's device."""
     setup(args)
     check_model(args.model)
     if getattr(args, "fsdp", False) and int(os.environ.get("WORLD_SIZE", "1")) < 2:
@@ -188,6 +181,173 @@ def cmd_learn_scales(args) -> int:
     check_text(args.data, "--data")
     if args.eval not in (None, "default"):
         check_text(args.eval, "--eval")
+    return device
+
+
+def _open_checkpoint_student(args, teacher_name: str, device: str):
+    """(student, teacher, tokenizer, latent weights, PTQ report) of a checkpoint input: its latent weights are
+    its dequantized ones (None), the tokenizer the teacher's (the checkpoint's own may be absent)."""
+    from ..models.hf import load_model
+    from ..ptq.pipeline import open_model
+
+    student_lm = open_model(args.model, device=device, verify=not args.no_verify)
+    teacher_lm = load_model(teacher_name, device=device)
+    check_loaded_vocabulary(args.model, teacher_name, student_lm, teacher_lm, compare_tokenizers=False)
+    return student_lm.model, teacher_lm.model, teacher_lm.tokenizer, None, None
+
+
+def _ptq_config(args, recipe):
+    """The PTQ initialisation of a model-name input (--method / --recipe / --scale-rule / --w4a4)."""
+    from ..ptq import PTQConfig
+
+    flat = {} if recipe is not None else dict(scale_rule=args.scale_rule or "6",
+                                              activations="w4a4" if args.w4a4 else "w4a16")
+    return PTQConfig(method=args.method or "rtn", recipe=recipe, **flat,
+                     skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
+                     n_samples=args.n_samples, seq_len=args.seq_len)
+
+
+def _quantized_student(args, teacher_name: str, own_teacher: bool, recipe, defaults, device: str):
+    """(student, teacher, tokenizer, latent weights, PTQ report) of a model-name input: the student is the model
+    quantized here (``lsq.quantize_student``), the teacher the model itself unless --teacher names another."""
+    from .. import lsq
+    from ..models.hf import load_model
+
+    base_lm = load_model(args.model, device=device)
+    teacher_lm = base_lm if own_teacher else load_model(teacher_name, device=device)
+    if not own_teacher:
+        check_loaded_vocabulary(args.model, teacher_name, base_lm, teacher_lm, compare_tokenizers=True)
+    cfg = _ptq_config(args, recipe)
+    qs = lsq.quantize_student(base_lm.model, base_lm.tokenizer, cfg, defaults.calib, defaults.calib_bos,
+                              progress=show_progress(),
+                              run=lambda ptq: quantize_reported("blockscale learn-scales", ptq,
+                                                                defaulted=args.skip_indivisible is None))
+    if qs.dequantized:
+        print(f"latent weights: {len(qs.weights) - len(qs.dequantized)} of {len(qs.weights)} Linears start from the "
+              f"full-precision weights PTQ rounded, {len(qs.dequantized)} from their dequantized weights "
+              f"({cfg.method}'s codes are not a rounding of one weight)", flush=True)
+    return qs.model, teacher_lm.model, base_lm.tokenizer, qs.weights, qs.report.to_dict()
+
+
+def _distill_config(args, train_dir: Path):
+    """The ``lsq.DistillConfig`` of the flags (their defaults filled in)."""
+    from .. import lsq
+
+    lr_scales = args.lr_scales if args.lr_scales is not None else default_lr_scales(args.param)
+    warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup(args.steps)
+    ckpt_every = args.ckpt_interval if args.ckpt_interval is not None else default_ckpt_interval(args.steps)
+    dual_pair = args.mode == "dual" and args.dual_form == "pair"
+    lr_pre_factor = args.lr_pre_factor if args.lr_pre_factor is not None else (DEFAULT_LR_PRE_FACTOR if dual_pair else 1.0)
+    return lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=lr_scales, lr_weights=args.lr_weights,
+                             batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
+                             temperature=args.temperature, ce_weight=args.ce_weight, seed=args.seed,
+                             out_dir=str(train_dir), fsdp=bool(getattr(args, "fsdp", False)),
+                             fsdp_param_dtype=getattr(args, "fsdp_param_dtype", "fp32"),
+                             lr_schedule=args.lr_schedule, warmup_steps=warmup if args.lr_schedule != "constant" else 0,
+                             min_lr_ratio=args.min_lr_ratio, lr_pre_factor=lr_pre_factor,
+                             freeze_pre_steps=args.freeze_pre_steps, ckpt_every=ckpt_every)
+
+
+def _run_record(args, is_ckpt: bool, recipe, teacher_name: str) -> dict:
+    """What defines the run beyond the DistillConfig (checked when resuming)."""
+    record = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train,
+              "scale_rule": None if is_ckpt else (args.scale_rule or "6"), "w4a4": None if is_ckpt else args.w4a4}
+    if recipe is not None:  # (absent otherwise, so older run directories still resume)
+        record["recipe"] = recipe.name
+    if args.method not in (None, "rtn"):
+        record["method"] = args.method
+    if (args.param, args.dual_form) != ("amax", "pair"):  # the units the run's amaxes are in
+        record.update(param=args.param, dual_form=args.dual_form)
+    if args.learn_input_scales:
+        record["learn_input_scales"] = True
+    return record
+
+
+def _print_scale_steps(args, student, lr_scales: float) -> None:
+    """On rank 0: how many steps a typical block scale needs to move by one E4M3 step at ``lr_scales``."""
+    from .. import lsq
+
+    med, n_steps = lsq.steps_per_scale_step(student, lr_scales)
+    if not lsq.is_main_rank():
+        return
+    units = ("(Adam moves each log amax by about that much per step: a relative step, the same on every model)"
+             if args.param == "log" else
+             f"(median block amax {med:.3g}; Adam moves an amax by about that much per step)")
+    print(f"--lr-scales {lr_scales:g} {units}: a typical block scale needs ~{n_steps:.0f} steps to move by one "
+          "E4M3 step" + ("; consider a larger --lr-scales (docs/lsq.md)" if scales_stuck(n_steps, args.steps)
+                         else ""), flush=True)
+
+
+def _evaluator(args, tokenizer, defaults):
+    """``lsq.recover``'s ``evaluate`` for --eval (None without it): the perplexity, printed."""
+    from .. import lsq
+
+    if not args.eval:
+        return None
+    measure = lsq.perplexity_evaluator(tokenizer, defaults.eval if args.eval == "default" else args.eval,
+                                       defaults.ctx, defaults.bos, args.max_eval_tokens)
+
+    def evaluate(model, tag: str) -> dict:
+        if tag == "before":
+            check_eval_ctx("blockscale learn-scales", model, defaults.ctx, False)
+        rec = measure(model, tag)
+        print(f"perplexity {tag}: {rec['ppl']:.4f} ({rec['tokens_evaluated']} tokens of {rec['source']})", flush=True)
+        return rec
+
+    return evaluate
+
+
+def _recover(args, student, teacher, tokenizer, weights, defaults, dcfg, record: dict, out: Path):
+    """``lsq.recover`` with the flags' options; its errors in the command line's words."""
+    from .. import lsq
+    from ..data.text_sources import calibration_batches
+    from ..train import TrainingDivergedError
+
+    config = lsq.RecoveryConfig(dcfg, mode=args.mode, param=args.param, dual_form=args.dual_form,
+                                learn_input_scales=args.learn_input_scales)
+
+    def tokens():  # drawn once the scales are trainable (after the --lr-scales line)
+        return calibration_batches(tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
+                                   seed=args.seed, bos=defaults.calib_bos)
+
+    try:
+        return lsq.recover(student, teacher, tokens, config, weights=weights,
+                           evaluate=_evaluator(args, tokenizer, defaults),
+                           on_enabled=lambda model: _print_scale_steps(args, model, dcfg.lr_scales),
+                           resume=args.resume, record=record, force=args.force, progress=show_progress())
+    except lsq.ScaleSetupError as err:
+        if not args.learn_input_scales:
+            raise err.__cause__ from None
+        raise UsageError(f"--learn-input-scales: {err}") from None
+    except TrainingDivergedError as err:
+        raise TrainingDivergedError(f"{err} (--lr-scales {dcfg.lr_scales:g}"
+                                    + (f", --lr-weights {args.lr_weights:g}" if args.train == "all" else "")
+                                    + f"); nothing was exported to {out}", err.step, err.checkpoint) from None
+
+
+def _export(args, student, tokenizer, out: Path, teacher_name: str, own_teacher: bool, is_ckpt: bool,
+            report: dict):
+    """Write the student with its learned scales, the run's summary in the metadata and lsq_report.json."""
+    from ..export import export_checkpoint
+
+    meta = {"model": teacher_name if is_ckpt else args.model,  # a summary; details: lsq_report.json
+            "scale_learning": {"mode": args.mode, "train": args.train, "steps": args.steps,
+                               "perplexity": report.get("perplexity")}}
+    if not is_ckpt and not own_teacher:
+        meta["scale_learning"]["teacher"] = teacher_name
+    tok = tokenizer.hf if tokenizer else None
+    return export_checkpoint(student, out, args.format, tokenizer=tok, metadata=jsonable(meta),
+                             overwrite=args.overwrite, source=[p for p in (local_path(args.model),
+                                                                           local_path(teacher_name)) if p],
+                             extra_files={"lsq_report.json": jsonable(report)})
+
+
+def cmd_learn_scales(args) -> int:
+    from ..models.hf import is_blockscale_checkpoint
+    from ..models.vocabulary import check_same_vocabulary, declared_vocab_size
+    from ..ptq.pipeline import default_texts
+
+    device = _check_flags(args)
     path = Path(args.model)
     is_ckpt = path.is_dir() and is_blockscale_checkpoint(path)
     recipe = _init_recipe(args, is_ckpt)
@@ -200,120 +360,23 @@ def cmd_learn_scales(args) -> int:
     train_dir = check_run_dir(str(out) + ".train", "--out")
     defaults = default_texts(args.model)
     if is_ckpt:
-        student_lm = open_model(args.model, device=device, verify=not args.no_verify)
-        teacher_lm = load_model(teacher_name, device=device)
-        check_loaded_vocabulary(args.model, teacher_name, student_lm, teacher_lm, compare_tokenizers=False)
-        tokenizer = teacher_lm.tokenizer  # the checkpoint's own tokenizer may be absent
-        weights, ptq_report = None, None  # latent weights: the checkpoint's dequantized weights
+        student, teacher, tokenizer, weights, ptq_report = _open_checkpoint_student(args, teacher_name, device)
     else:
-        base_lm = load_model(args.model, device=device)
-        teacher_lm = base_lm if own_teacher else load_model(teacher_name, device=device)
-        if not own_teacher:
-            check_loaded_vocabulary(args.model, teacher_name, base_lm, teacher_lm, compare_tokenizers=True)
-        tokenizer = base_lm.tokenizer
-        student_lm = copy.copy(base_lm)
-        student_lm.model = copy.deepcopy(base_lm.model)
-        flat = {} if recipe is not None else dict(scale_rule=args.scale_rule or "6",
-                                                  activations="w4a4" if args.w4a4 else "w4a16")
-        cfg = PTQConfig(method=args.method or "rtn", recipe=recipe, **flat,
-                        skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
-                        n_samples=args.n_samples, seq_len=args.seq_len)
-        latent = {}
-        ptq_report = quantize_reported("blockscale learn-scales", lambda: calibrate_and_quantize(
-            student_lm.model, tokenizer, cfg, defaults.calib, defaults.calib_bos,
-            progress=show_progress(), latent_weights=latent), defaulted=args.skip_indivisible is None).to_dict()
-        # the full-precision weights PTQ rounded (after AWQ / SmoothQuant folding) where they reproduce its codes
-        # (RTN-like methods), else the dequantized ones (GPTQ): the step-0 model equals the PTQ model either way
-        for name, m in base_lm.model.named_modules():  # fused experts: the full-precision ones (RTN: exact)
-            for key in ("gate_up_proj", "down_proj"):
-                if isinstance(getattr(m, key, None), torch.Tensor) and getattr(m, key).dim() == 3:
-                    latent.setdefault(f"{name}.{key}", getattr(m, key).detach())
-        weights, dequantized = lsq.exact_latent_weights(student_lm.model, latent)
-        if dequantized:
-            print(f"latent weights: {len(weights) - len(dequantized)} of {len(weights)} Linears start from the "
-                  f"full-precision weights PTQ rounded, {len(dequantized)} from their dequantized weights "
-                  f"({cfg.method}'s codes are not a rounding of one weight)", flush=True)
+        student, teacher, tokenizer, weights, ptq_report = _quantized_student(args, teacher_name, own_teacher,
+                                                                               recipe, defaults, device)
     if tokenizer is None:
         raise UsageError(f"learn-scales trains on text, but {teacher_name if is_ckpt else args.model} has no "
                          "tokenizer (save one next to the weights)")
-    try:
-        lsq.enable(student_lm.model, mode=args.mode, init="stored", weights=weights, param=args.param,
-                   dual_form=args.dual_form, learn_input_scales=args.learn_input_scales)
-    except ValueError as err:
-        if not args.learn_input_scales:
-            raise
-        raise UsageError(f"--learn-input-scales: {err}") from None
-    lr_scales = args.lr_scales if args.lr_scales is not None else default_lr_scales(args.param)
-    warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup(args.steps)
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 evaluates and writes
-    med, n_steps = lsq.steps_per_scale_step(student_lm.model, lr_scales)
-    if main_rank:
-        units = ("(Adam moves each log amax by about that much per step: a relative step, the same on every model)"
-                 if args.param == "log" else
-                 f"(median block amax {med:.3g}; Adam moves an amax by about that much per step)")
-        print(f"--lr-scales {lr_scales:g} {units}: a typical block scale needs ~{n_steps:.0f} steps to move by one "
-              "E4M3 step" + ("; consider a larger --lr-scales (docs/lsq.md)" if scales_stuck(n_steps, args.steps)
-                             else ""), flush=True)
-    tokens = calibration_batches(tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
-                                 seed=args.seed, bos=defaults.calib_bos)
-    ckpt_every = args.ckpt_interval if args.ckpt_interval is not None else default_ckpt_interval(args.steps)
-    dual_pair = args.mode == "dual" and args.dual_form == "pair"
-    lr_pre_factor = args.lr_pre_factor if args.lr_pre_factor is not None else (DEFAULT_LR_PRE_FACTOR if dual_pair else 1.0)
-    dcfg = lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=lr_scales, lr_weights=args.lr_weights,
-                             batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
-                             temperature=args.temperature, ce_weight=args.ce_weight, seed=args.seed,
-                             out_dir=str(train_dir), fsdp=bool(getattr(args, "fsdp", False)),
-                             fsdp_param_dtype=getattr(args, "fsdp_param_dtype", "fp32"),
-                             lr_schedule=args.lr_schedule, warmup_steps=warmup if args.lr_schedule != "constant" else 0,
-                             min_lr_ratio=args.min_lr_ratio, lr_pre_factor=lr_pre_factor,
-                             freeze_pre_steps=args.freeze_pre_steps, ckpt_every=ckpt_every)
-    record = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train,
-              "scale_rule": None if is_ckpt else (args.scale_rule or "6"), "w4a4": None if is_ckpt else args.w4a4}
-    if recipe is not None:  # (absent otherwise, so older run directories still resume)
-        record["recipe"] = recipe.name
-    if args.method not in (None, "rtn"):
-        record["method"] = args.method
-    if (args.param, args.dual_form) != ("amax", "pair"):  # the units the run's amaxes are in
-        record.update(param=args.param, dual_form=args.dual_form)
-    if args.learn_input_scales:
-        record["learn_input_scales"] = True
+    dcfg = _distill_config(args, train_dir)
     report = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train, "ptq": ptq_report}
-    evals = {}
-
-    def ppl(tag):
-        if args.eval and main_rank:
-            src = defaults.eval if args.eval == "default" else args.eval
-            if tag == "before":
-                check_eval_ctx("blockscale learn-scales", student_lm.model, defaults.ctx, False)
-            rec = evaluate_ppl(student_lm.model, tokenizer, src, defaults.ctx, defaults.bos,
-                               args.max_eval_tokens)
-            evals[tag] = record_dict(rec)
-            print(f"perplexity {tag}: {rec.ppl:.4f} ({rec.tokens_evaluated} tokens of {rec.source})", flush=True)
-
-    ppl("before")
-    try:
-        report["distill"] = lsq.distill(student_lm.model, teacher_lm.model, tokens, dcfg, resume=args.resume,
-                                        progress=show_progress(), record=record, force=args.force)
-    except TrainingDivergedError as err:
-        raise TrainingDivergedError(f"{err} (--lr-scales {lr_scales:g}"
-                                    + (f", --lr-weights {args.lr_weights:g}" if args.train == "all" else "")
-                                    + f"); nothing was exported to {out}", err.step, err.checkpoint) from None
-    if not main_rank:
+    result = _recover(args, student, teacher, tokenizer, weights, defaults, dcfg,
+                      _run_record(args, is_ckpt, recipe, teacher_name), out)
+    if not result.main_rank:
         return 0
-    ppl("after")
-    if evals:  # as in quantize's ptq_report.json: no key without --eval (the metadata says null)
-        report["perplexity"] = evals
-    lsq.freeze(student_lm.model)
-    meta = {"model": teacher_name if is_ckpt else args.model,  # a summary; details: lsq_report.json
-            "scale_learning": {"mode": args.mode, "train": args.train, "steps": args.steps,
-                               "perplexity": evals or None}}
-    if not is_ckpt and not own_teacher:
-        meta["scale_learning"]["teacher"] = teacher_name
-    tok = tokenizer.hf if tokenizer else None
-    dest = export_checkpoint(student_lm.model, out, args.format, tokenizer=tok, metadata=jsonable(meta),
-                             overwrite=args.overwrite, source=[p for p in (local_path(args.model),
-                                                                           local_path(teacher_name)) if p],
-                             extra_files={"lsq_report.json": jsonable(report)})
+    report["distill"] = result.distill
+    if result.evaluations:  # as in quantize's ptq_report.json: no key without --eval (the metadata says null)
+        report["perplexity"] = result.evaluations
+    dest = _export(args, student, tokenizer, out, teacher_name, own_teacher, is_ckpt, report)
     print(f"wrote {args.format} checkpoint with learned scales to {dest} (training files: {dcfg.out_dir})")
     return 0
 
@@ -369,7 +432,7 @@ def add_learn_scales(sub) -> None:
     p.add_argument("--data", help="training text (default: the model's calibration text)")
     number(p, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=256, help="training windows drawn from --data")
     number(p, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=256)
-    p.add_argument("--method", default=None, choices=INIT_METHODS,
+    p.add_argument("--method", default=None, choices=method_names(),
                    help="PTQ method of the initialisation (model names only; default rtn; its default options)")
     p.add_argument("--scale-rule", default=None, choices=("6", "4over6", "sweep", "hessian", "hessian-4over6"),
                    help="RTN init (model names only; default 6; with --recipe: its NVFP4 schemes' rule)")

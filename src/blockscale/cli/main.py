@@ -8,17 +8,16 @@ starts (``cli.checks``).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from ..version import __version__
-from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, MAX_THREADS,
-                         check_device, check_int, check_model, check_numbers, check_out, check_product, check_run_dir,
+from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS,
+                         check_device, check_model, check_numbers, check_out, check_product, check_run_dir,
                          check_text, number)
 from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats,
-                     is_ptq_recipe_file, jsonable, local_path, parse_dtype, resolve_ptq_recipe, resolve_recipe, setup,
+                     is_ptq_recipe_file, local_path, parse_dtype, resolve_ptq_recipe, resolve_recipe, setup,
                      show_progress)
-from .reporting import ArgumentParser, run_reported, warn
+from .reporting import ArgumentParser, run_reported
 from .quantize import (add_method_flags, method_names, method_options, no_tokenizer_error, quantize_reported,
                        skip_indivisible)
 from .quantize_streaming import add_streaming_flags, check_streaming_flags, run_streaming
@@ -125,59 +124,39 @@ def _check_quantize(args):
     return src
 
 
-def _cmd_quantize(args) -> int:
-    from pathlib import Path
-
-    from ..export import export_checkpoint, size_breakdown
-    from ..models.hf import load_model
+def _quantize_config(args, recipe):
+    """The PTQConfig of the quantize flags (``recipe``: that of --recipe, or None for the flat flags)."""
     from ..ptq import PTQConfig
     from ..ptq.config import DEFAULT_EXCLUDE
-    from ..ptq.fused_experts import experts_summary
-    from ..ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl, record_dict
 
-    src = _check_quantize(args)
-    recipe = _quantize_recipe(args)
-    defaults = default_texts(args.model)
     flat = {} if recipe is not None else dict(
         scale_rule=args.scale_rule or "6", error=args.error or "mse", activations="w4a4" if args.w4a4 else "w4a16",
         act_scale_rule=args.act_scale_rule or "6", exclude=tuple(DEFAULT_EXCLUDE) + tuple(args.exclude or ()))
-    cfg = PTQConfig(method=args.method, recipe=recipe, **flat,
-                    skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
-                    allow_partial=args.allow_partial, calibrate_all_experts=args.calibrate_all_experts,
-                    expert_outer_scale=args.expert_outer_scale, n_samples=args.n_samples, seq_len=args.seq_len,
-                    batch_size=args.batch_size, seed=args.seed, options=method_options(args, args.method))
-    from ..ptq.export_check import check_recipe_exportable
+    return PTQConfig(method=args.method, recipe=recipe, **flat,
+                     skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
+                     allow_partial=args.allow_partial, calibrate_all_experts=args.calibrate_all_experts,
+                     expert_outer_scale=args.expert_outer_scale, n_samples=args.n_samples, seq_len=args.seq_len,
+                     batch_size=args.batch_size, seed=args.seed, options=method_options(args, args.method))
 
-    check_recipe_exportable(cfg.ptq_recipe, args.format)
-    if args.streaming:
-        return run_streaming(args, cfg, recipe, defaults, f"{PROG} quantize")
-    out = Path(args.out)
-    print(f"loading {args.model} ...", flush=True)
-    lm = load_model(args.model, dtype=parse_dtype(args.dtype))
-    if cfg.needs_calibration and lm.tokenizer is None:
-        raise no_tokenizer_error(args, cfg, recipe)
-    calib = args.calib or defaults.calib
-    report = quantize_reported(
-        f"{PROG} quantize", lambda: calibrate_and_quantize(
-            lm.model, lm.tokenizer, cfg, calib, defaults.calib_bos if args.calib is None else args.calib_bos,
-            device=args.device, progress=show_progress()), defaulted=args.skip_indivisible is None)
-    if not is_main_rank():  # torchrun: rank 0 alone evaluates, writes and reports (cli.ranks)
-        return 0
-    meta = {"model": args.model, "ptq": report.to_dict()}
-    if args.eval:
-        src_text = defaults.eval if args.eval == "default" else args.eval
-        ctx = defaults.ctx if args.ctx is None else args.ctx
-        check_eval_ctx(f"{PROG} quantize", lm.model, ctx, args.ctx is not None)
-        rec = evaluate_ppl(lm.model, lm.tokenizer, src_text, ctx, args.bos or defaults.bos, args.max_eval_tokens,
-                           progress=True)
-        meta["perplexity"] = record_dict(rec)
-        print(f"perplexity {rec.ppl:.4f} (loss {rec.loss:.4f}, {rec.tokens_evaluated} tokens of {rec.source})")
-    # config.json (read by serving engines) gets a summary; the per-layer report goes to ptq_report.json
-    summary = {"model": args.model, "method": cfg.label, "config": report.config, "seconds": report.seconds,
-               "calibration_tokens": report.calibration_tokens, "perplexity": meta.get("perplexity")}
-    path = export_checkpoint(lm.model, out, args.format, tokenizer=lm.tokenizer.hf if lm.tokenizer else None,
-                             max_shard_size=args.max_shard_size, metadata=jsonable(summary), overwrite=args.overwrite,
-                             source=src, extra_files={"ptq_report.json": jsonable(meta)})
+
+def _quantize_evaluation(args, defaults):
+    """The ``ptq.PerplexityEval`` of --eval / --ctx / --bos / --max-eval-tokens (None without --eval)."""
+    from ..ptq import PerplexityEval
+
+    if not args.eval:
+        return None
+    return PerplexityEval(defaults.eval if args.eval == "default" else args.eval,
+                          defaults.ctx if args.ctx is None else args.ctx, args.bos or defaults.bos,
+                          args.max_eval_tokens)
+
+
+def _print_quantized(args, cfg, recipe, report, path) -> None:
+    """The report lines of a quantize run: layers, experts, --recipe schemes, checkpoint, sizes."""
+    from pathlib import Path
+
+    from ..export import size_breakdown
+    from ..ptq.fused_experts import experts_summary
+
     n_q = len(report.linears)
     print(f"quantized {n_q} linear layers ({cfg.label}) in {report.seconds:.1f} s; kept in high precision: "
           f"{', '.join(report.kept_high_precision) or 'none'}")
@@ -191,6 +170,40 @@ def _cmd_quantize(args) -> int:
         print("schemes: " + "; ".join(describe_assignment(schemes)))
     print(f"wrote {args.format} checkpoint to {path} (report: {Path(path) / 'ptq_report.json'})")
     print(f"{size_breakdown(path)}; unquantized tensors are {args.dtype} (--dtype)")
+
+
+def _cmd_quantize(args) -> int:
+    from ..models.hf import load_model
+    from ..ptq import oneshot
+    from ..ptq.export_check import check_recipe_exportable
+    from ..ptq.pipeline import default_texts
+
+    src = _check_quantize(args)
+    recipe = _quantize_recipe(args)
+    defaults = default_texts(args.model)
+    cfg = _quantize_config(args, recipe)
+    check_recipe_exportable(cfg.ptq_recipe, args.format)
+    if args.streaming:
+        return run_streaming(args, cfg, recipe, defaults, f"{PROG} quantize")
+    print(f"loading {args.model} ...", flush=True)
+    lm = load_model(args.model, dtype=parse_dtype(args.dtype))
+    if cfg.needs_calibration and lm.tokenizer is None:
+        raise no_tokenizer_error(args, cfg, recipe)
+    evaluation = _quantize_evaluation(args, defaults)
+
+    def quantize(run):  # warnings about skipped Linears folded into one line; then the --ctx check of --eval
+        report = quantize_reported(f"{PROG} quantize", run, defaulted=args.skip_indivisible is None)
+        if evaluation is not None and is_main_rank():
+            check_eval_ctx(f"{PROG} quantize", lm.model, evaluation.ctx, args.ctx is not None)
+        return report
+
+    result = oneshot(lm.model, lm.tokenizer, cfg, args.calib or defaults.calib, args.out, format=args.format,
+                     calib_bos=defaults.calib_bos if args.calib is None else args.calib_bos, evaluation=evaluation,
+                     model_name=args.model, source=src, device=args.device, max_shard_size=args.max_shard_size,
+                     overwrite=args.overwrite, progress=show_progress(), wrap_quantize=quantize, log=print)
+    if not result.main_rank:  # torchrun: rank 0 alone evaluates, writes and reports (cli.ranks)
+        return 0
+    _print_quantized(args, cfg, recipe, result.report, result.path)
     return 0
 
 

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
-from .common import jsonable, parse_dtype, show_progress
+from ..export.common import jsonable
+from .common import parse_dtype, show_progress
 
 STREAMING_ONLY = ("resume", "offload_activations")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import math
 from pathlib import Path
 from typing import Optional, Union
 
@@ -13,15 +12,14 @@ import torch
 from torch import nn
 
 from ..nn.coverage import weight_coverage
-from ..nn.nvfp4_linear import NVFP4Linear
-from . import mixed_export
+from . import export_plan
 from .experts import ExpertsView, experts_view
 from .common import CONFIG_FILE, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype
 from .destination import atomic_directory, check_output, written_by_export
-from .module_checks import activation_meta, check_nvfp4_module, kv_modules
+from .module_checks import kv_modules
 from .module_schemes import quantized_modules, scheme_of
-from .registry import CheckpointFormat, format_named
-from .shared_scales import check_group_membership, check_shared_scales, sibling_groups
+from .registry import format_named
+from .shared_scales import sibling_groups
 from ..file_errors import writing
 from .writer import parse_size, write_json, write_safetensors
 
@@ -122,21 +120,6 @@ def export_state(model: nn.Module, view: Optional[ExpertsView]) -> dict[str, tor
     return state if view is None else view.state(state)
 
 
-def _tensors(model: nn.Module, quantized: dict[str, NVFP4Linear], fmt: CheckpointFormat,
-             view: Optional[ExpertsView] = None) -> dict[str, torch.Tensor]:
-    state = export_state(model, view)
-    out: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        mod, _, leaf = key.rpartition(".")
-        if mod in quantized and leaf in fmt.tensor_names:
-            leaf, t = fmt.export_tensor(leaf, t)
-            key = f"{mod}.{leaf}"
-        if key in out:
-            raise ValueError(f"two tensors would be written as {key!r}")
-        out[key] = t.detach()
-    return out
-
-
 # config.json's dtype is the format's ``serving_dtype`` when it has one (compressed-tensors' runtime
 # decompresses NVFP4 weights to bfloat16 whatever the model dtype, so transformers' default
 # ``dtype="auto"`` must be bfloat16 for the first forward to run); our own loader reads
@@ -158,28 +141,6 @@ def _config_json(model: nn.Module, dtype: torch.dtype, qcfg: dict) -> dict:
     return d
 
 
-def _check_nvfp4(nvfp4: dict, linears: list, fmt: CheckpointFormat, plain: bool) -> bool:
-    """The NVFP4 Linears' checks (ValueError); returns whether they are W4A4. ``plain``: the model is
-    all-NVFP4 (fused-group membership and shared scales checked here; else ``mixed_export.plan``)."""
-    for name, m in nvfp4.items():
-        check_nvfp4_module(name, m)
-    w4a4_of = {n: m.input_global_scale is not None for n, m in nvfp4.items()}
-    w4a4 = bool(nvfp4) and next(iter(w4a4_of.values()))
-    if not plain:  # (W4A4 and W4A16 NVFP4 Linears together are two schemes: the mixed form)
-        return w4a4
-    check_group_membership(set(nvfp4), linears)
-    groups = sibling_groups(list(nvfp4))
-    check_shared_scales({n: m.weight_global_scale for n, m in nvfp4.items()},
-                        "weight_global_scale (weight encode scale S)", groups)
-    if w4a4:
-        check_shared_scales({n: m.input_global_scale for n, m in nvfp4.items()},
-                            "input_global_scale (activation encode scale)", groups,
-                            " For activations: calibrate the group on its shared input (one amax).")
-    for n, m in nvfp4.items():
-        fmt.check_module(n, m)
-    return w4a4
-
-
 def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str = "compressed-tensors", *,
                       tokenizer=None, max_shard_size: Union[int, str] = "2GB", metadata: Optional[dict] = None,
                       overwrite: bool = False, source=None, extra_files: Optional[dict] = None,
@@ -187,16 +148,17 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     """Write ``model`` (a transformers causal LM whose quantized Linears are ``NVFP4Linear``, ``FP8Linear``
     or ``MXLinear``, optionally with FP8 KV-cache scales ``attn.k_scale`` / ``attn.v_scale``) to ``out_dir``.
 
-    An all-NVFP4 model without KV scales is written in the format's single-scheme form (one config
-    group targeting ``Linear``; ModelOpt ``NVFP4`` / ``W4A16_NVFP4``). Anything else goes through the
-    format's ``MixedFormat`` (``mixed_export``): compressed-tensors one config group per scheme
-    (targets: exact module names when there are several; ``format: "mixed-precision"`` when their
-    formats differ) + ``kv_cache_scheme`` and ``<attn>.k_scale`` / ``<attn>.v_scale``; ModelOpt
-    ``MIXED_PRECISION`` + ``quantized_layers`` when schemes differ, ``kv_cache_quant_algo: "FP8"`` and
-    ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale``; a scheme ModelOpt has no quant_algo for
-    (fp8-block, MXFP4, ...) is a ValueError naming the module. NVFP4 W4A4 and W4A16 Linears in one
-    model are two schemes (two config groups / ``NVFP4`` and ``W4A16_NVFP4`` layers). ``quantization_config.blockscale`` records what the configs cannot
-    say (NVFP4 activation rules, MX activation scale rules, the KV-cache granularity).
+    One path for every model (``export_plan``): each quantized Linear is written by the codec of the
+    format that stores its scheme (``codecs``), the config by the format from the schemes. An all-NVFP4
+    model without KV scales is the one-scheme case (one config group targeting ``Linear``; ModelOpt
+    ``NVFP4`` / ``W4A16_NVFP4``). Several schemes: compressed-tensors one config group per scheme
+    (targets: exact module names; ``format: "mixed-precision"`` when their formats differ), ModelOpt
+    ``MIXED_PRECISION`` + ``quantized_layers``; FP8 KV-cache scales: ``kv_cache_scheme`` and
+    ``<attn>.k_scale`` / ``<attn>.v_scale`` (compressed-tensors), ``kv_cache_quant_algo: "FP8"`` and
+    ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` (ModelOpt); a scheme the format has no codec
+    for (ModelOpt: fp8-block, MXFP4, ...) is a ValueError naming the module. NVFP4 W4A4 and W4A16
+    Linears in one model are two schemes. ``quantization_config.blockscale`` records what the configs
+    cannot say (NVFP4 activation rules, MX activation scale rules, the KV-cache granularity).
 
     format: "compressed-tensors" (``nvfp4-pack-quantized``; vLLM / SGLang / TensorRT-LLM) or "modelopt"
       (ModelOpt unified HF checkpoint, ``modelopt_fp4``). Both store the same packed codes and E4M3 block
@@ -238,7 +200,6 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     Returns the output directory.
     """
     fmt = format_named(format)
-    fmt_name = fmt.name
     shard_bytes = parse_size(max_shard_size)
     if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "to_json_string"):
         raise TypeError("model must be a transformers PreTrainedModel (an nn.Module with a .config)")
@@ -253,86 +214,63 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
                          "quantized checkpoint (quantize it first, e.g. with blockscale.ptq.quantize_model)")
     ignore, high_modules, elements = _high_precision(model, view)
     schemes = {n: scheme_of(m) for n, m in quantized.items()}
-    nvfp4 = {n: m for n, m in quantized.items() if schemes[n].is_nvfp4}
-    kv = kv_modules(model)
-    one_nvfp4 = len({m.input_global_scale is not None for m in nvfp4.values()}) <= 1
-    plain = len(nvfp4) == len(quantized) and one_nvfp4 and not kv  # today's all-NVFP4 form, byte for byte
-    w4a4 = _check_nvfp4(nvfp4, linears, fmt, plain=plain)
-    mixed = None if plain else mixed_export.plan(model, fmt, quantized, schemes, kv, linears)
-    groups = sibling_groups(list(quantized))
+    plan = export_plan.plan(model, fmt, quantized, schemes, kv_modules(model), linears)
 
     version = blockscale_version()
     dtype = model_dtype(model)
     producer = {"name": PRODUCER, "version": version}
-    if mixed is None:
-        bs_meta = {"version": version, "format": fmt_name, "scheme": "NVFP4" if w4a4 else "NVFP4A16",
-                   "activations": "W4A4" if w4a4 else "W4A16", "tensor_digests": "sha256",
-                   "dtype": str(dtype).removeprefix("torch.")}
-        if w4a4:
-            bs_meta.update(activation_meta(quantized))
-    else:
-        bs_meta = {"version": version, "format": fmt_name, **mixed_export.blockscale_meta(mixed, quantized),
-                   "tensor_digests": "sha256", "dtype": str(dtype).removeprefix("torch.")}
-    bs_meta["high_precision_fraction"] = elements["high_precision_fraction"]
+    bs_meta = {"version": version, "format": fmt.name, **export_plan.blockscale_meta(plan, quantized),
+               "tensor_digests": "sha256", "dtype": str(dtype).removeprefix("torch."),
+               "high_precision_fraction": elements["high_precision_fraction"]}
     if "method" in user_meta:
         bs_meta["method"] = user_meta["method"]
     if user_meta:
         bs_meta["metadata"] = user_meta
-    if mixed is None:
-        qcfg = fmt.quantization_config(w4a4, ignore, producer, bs_meta)
-        side = fmt.side_files(w4a4, ignore, producer)
-        tensors = _tensors(model, quantized, fmt, view)
-        modules = {n: {"shape": [m.out_features, m.in_features], "bias": m.bias is not None,
-                       "weight_global_scale": float(m.weight_global_scale.reshape(-1)[0]),
-                       **({"input_global_scale": float(m.input_global_scale.reshape(-1)[0]),
-                           "input_scale_rule": m.input_scale_rule, "input_error": m.input_error} if w4a4 else {})}
-                   for n, m in quantized.items()}
-        bits = _bits(quantized)
-    else:
-        qcfg = fmt.mixed.quantization_config(schemes, ignore, producer, bs_meta, mixed.kv_granularity)
-        side = fmt.mixed.side_files(schemes, ignore, producer, mixed.kv_granularity)
-        tensors = mixed_export.tensors(model, mixed, quantized, fmt, export_state(model, view))
-        modules = {n: mixed_export.report_entry(m, schemes[n]) for n, m in quantized.items()}
-        bits = mixed_export.bits_per_weight(quantized)
+    qcfg = fmt.quantization_config(schemes, ignore, producer, bs_meta, plan.kv_granularity)
+    side = fmt.side_files(schemes, ignore, producer, plan.kv_granularity)
+    tensors = export_plan.tensors(plan, quantized, fmt, export_state(model, view))
     config_json = _config_json(model, fmt.serving_dtype or dtype, qcfg)
-
+    report = {
+        "producer": producer,
+        "format": fmt.name,
+        "quantization": bs_meta,
+        "model": {"architecture": type(model).__name__, "dtype": str(dtype).removeprefix("torch.")},
+        "quantized_modules": {n: export_plan.report_entry(plan, n, m) for n, m in quantized.items()},
+        "high_precision_linears": high,
+        "high_precision_modules": high_modules,
+        "weight_elements": elements,
+        "fused_groups": sibling_groups(list(quantized)),
+        **({"kv_cache_scales": export_plan.kv_report(plan)} if plan.kv else {}),
+        **({"fused_experts": view.report()} if view is not None else {}),
+        "tensors": len(tensors),
+        "bits_per_quantized_weight": export_plan.bits_per_weight(quantized),
+    }
     with atomic_directory(out_dir, overwrite) as tmp:
         info = write_safetensors(tmp, tensors, shard_bytes, config=config_json, materialize=tensor_source)
-        write_json(tmp / CONFIG_FILE, config_json)
-        gen = getattr(model, "generation_config", None)
-        if gen is not None and getattr(model, "can_generate", lambda: False)():
-            with writing(tmp / "generation_config.json"):
-                gen.save_pretrained(str(tmp))
-        for name, obj in side.items():
-            write_json(tmp / name, obj)
-        if tokenizer is not None:
-            with writing(tmp / "tokenizer files"):
-                tokenizer.save_pretrained(str(tmp))
-        for name, obj in extras.items():
-            if (tmp / name).exists():
-                raise ValueError(f"extra_files key {name!r}: the export already wrote a file of that name")
-            write_json(tmp / name, obj)
-        report = {
-            "producer": producer,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "format": fmt_name,
-            "quantization": bs_meta,
-            "model": {"architecture": type(model).__name__, "dtype": str(dtype).removeprefix("torch.")},
-            "quantized_modules": modules,
-            "high_precision_linears": high,
-            "high_precision_modules": high_modules,
-            "weight_elements": elements,
-            "fused_groups": groups,
-            **({"kv_cache_scales": mixed_export.kv_report(mixed)} if mixed is not None and mixed.kv else {}),
-            **({"fused_experts": view.report()} if view is not None else {}),
-            "files": info["files"],
-            "tensors": len(tensors),
-            "total_size": info["total_size"],
-            "bits_per_quantized_weight": bits,
-            "written_files": sorted({*(f.name for f in tmp.iterdir() if f.is_file()), REPORT_FILE}),
-        }
+        _write_files(tmp, model, tokenizer, {CONFIG_FILE: config_json, **side}, extras)
+        report.update(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      files=info["files"], total_size=info["total_size"],
+                      written_files=sorted({*(f.name for f in tmp.iterdir() if f.is_file()), REPORT_FILE}))
         write_json(tmp / REPORT_FILE, report)
     return out_dir
+
+
+def _write_files(tmp: Path, model: nn.Module, tokenizer, configs: dict, extras: dict) -> None:
+    """config.json, generation_config.json, the format's side files, tokenizer files, ``extra_files``."""
+    write_json(tmp / CONFIG_FILE, configs.pop(CONFIG_FILE))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(model, "can_generate", lambda: False)():
+        with writing(tmp / "generation_config.json"):
+            gen.save_pretrained(str(tmp))
+    for name, obj in configs.items():
+        write_json(tmp / name, obj)
+    if tokenizer is not None:
+        with writing(tmp / "tokenizer files"):
+            tokenizer.save_pretrained(str(tmp))
+    for name, obj in extras.items():
+        if (tmp / name).exists():
+            raise ValueError(f"extra_files key {name!r}: the export already wrote a file of that name")
+        write_json(tmp / name, obj)
 
 
 class _Only(nn.Module):
@@ -361,21 +299,8 @@ def layer_tensors(model: nn.Module, path: str, format: str = "compressed-tensors
     if not quantized:
         return {k: t.detach() for k, t in export_state(part, view).items()}
     schemes = {n: scheme_of(m) for n, m in quantized.items()}
-    nvfp4 = {n: m for n, m in quantized.items() if schemes[n].is_nvfp4}
-    kv = kv_modules(part)
-    one_nvfp4 = len({m.input_global_scale is not None for m in nvfp4.values()}) <= 1
-    plain = len(nvfp4) == len(quantized) and one_nvfp4 and not kv
-    _check_nvfp4(nvfp4, linears, fmt, plain=plain)
-    if plain:  # (the NVFP4 tensors are the same in both forms; only the checkpoint's order differs)
-        return _tensors(part, quantized, fmt, view)
-    mixed = mixed_export.plan(part, fmt, quantized, schemes, kv, linears)
-    return mixed_export.tensors(part, mixed, quantized, fmt, export_state(part, view))
-
-
-def _bits(quantized: dict[str, NVFP4Linear]) -> float:
-    n = sum(m.out_features * m.in_features for m in quantized.values())
-    b = sum(m.weight_packed.numel() + m.weight_scale.numel() + 4 for m in quantized.values()) * 8
-    return round(b / n, 4) if n else math.nan
+    plan = export_plan.plan(part, fmt, quantized, schemes, kv_modules(part), linears)
+    return export_plan.tensors(plan, quantized, fmt, export_state(part, view))
 
 
 __all__ = ["export_checkpoint", "layer_tensors", "REPORT_FILE"]

@@ -4,6 +4,7 @@ recognising our own exports. (The checkpoint formats are in ``registry``; the er
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from collections import defaultdict
@@ -112,5 +113,21 @@ def is_blockscale_export(path: Union[str, os.PathLike]) -> bool:
     return isinstance(ours, dict) and isinstance(ours.get("version"), str) and ours.get("format") in FORMATS
 
 
+def jsonable(obj):
+    """``obj`` as strict JSON data: non-finite floats and other objects become strings (metadata and
+    reports written next to a checkpoint)."""
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return clean(json.loads(json.dumps(obj, default=str)))
+
+
 __all__ = ["CONFIG_FILE", "CheckpointError", "FORMATS", "REPORT_FILE", "blockscale_report", "drop_shared",
-           "is_blockscale_export", "model_dtype", "tied_targets"]
+           "is_blockscale_export", "jsonable", "model_dtype", "tied_targets"]

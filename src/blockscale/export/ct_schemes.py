@@ -1,18 +1,6 @@
-"""compressed-tensors checkpoints with FP8 / MX Linears, several schemes and FP8 KV-cache scales
-(the ``MixedFormat`` of the compressed-tensors format; all-NVFP4 checkpoints without KV scales keep
-``compressed_tensors``' single-group form).
-
-Per scheme one ``config_groups`` entry whose ``weights`` / ``input_activations`` are the args
-compressed-tensors 0.20.1's presets dump (``quant_scheme.py``: FP8, FP8_DYNAMIC, FP8_BLOCK, MXFP8,
-MXFP8A16, MXFP4, MXFP4A16, NVFP4, NVFP4A16; key order of ``QuantizationArgs.model_dump``) and the
-format compressed-tensors' ``infer_module_format`` picks (``compressors/format.py``):
-
-    nvfp4-*              nvfp4-pack-quantized  weight_packed u8 [N,K/2], weight_scale e4m3 [N,K/16],
-                                               weight_global_scale f32 [1] (+ input_global_scale [1])
-    fp8 W8A8 / block     float-quantized       weight e4m3 [N,K], weight_scale f32 [1] | [N,1] |
-    fp8 weights only     naive-quantized         [ceil(N/128), ceil(K/128)] (+ input_scale f32 [1], static)
-    mxfp8 / mxfp8-w8a16  mxfp8-quantized       weight e4m3 [N,K], weight_scale u8 [N,K/32] (UE8M0)
-    mxfp4 / mxfp4-w4a16  mxfp4-pack-quantized  weight_packed u8 [N,K/2], weight_scale u8 [N,K/32]
+"""compressed-tensors' config: one ``config_groups`` entry per scheme, whose ``weights`` /
+``input_activations`` / ``format`` are the scheme's codec's ``describe`` (``ct_codecs``), and reading
+configs back (``parse``).
 
 Targets: ``["Linear"]`` when every quantized Linear has one scheme (``ignore`` lists the rest), else
 the exact module names, sorted. Top-level ``format``: the groups' format when they share one, else
@@ -23,85 +11,45 @@ shape), the names vLLM's ``maybe_remap_kv_scale_name`` maps to ``<attn>.attn.k_s
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping, Optional
 
 import torch
 
 from . import schema
-from .module_schemes import ModuleScheme
-from .registry import MixedFormat, ParsedConfig
+from .codecs import find_codec
+from .ct_codecs import E4M3_SCALE, FLOAT, FORMAT_NAME, MX_BLOCK, MXFP4, MXFP8, NAIVE, NVFP4_BLOCK, NVFP4_FORMAT, TILE, \
+    U8_SCALE
+from .ct_codecs import args as ct_args
+from .ct_codecs import mx_element_of
+from .registry import ParsedConfig
+from .scheme_types import ModuleScheme
 
 QUANT_METHOD = "compressed-tensors"
 SCHEMA_VERSION = "0.20.1"
-NVFP4_FORMAT, MIXED = "nvfp4-pack-quantized", "mixed-precision"
-FLOAT, NAIVE, MXFP8, MXFP4 = "float-quantized", "naive-quantized", "mxfp8-quantized", "mxfp4-pack-quantized"
-_MX_ELEMENTS = {"e4m3": (MXFP8, 8), "e2m1": (MXFP4, 4)}  # MX element -> (format, bits)
-E4M3_SCALE, U8_SCALE = "torch.float8_e4m3fn", "torch.uint8"
-TILE, MX_BLOCK, NVFP4_BLOCK = 128, 32, 16
+MIXED = "mixed-precision"
 _QC = "quantization_config"
 ConfigError = schema.ConfigError
 
 
-def _a(num_bits: int, strategy: str, *, group_size=None, dynamic=False, scale_dtype=None, observer=None,
-       block_structure=None) -> dict:
-    """QuantizationArgs as compressed-tensors dumps them (its key order, unset options left out)."""
-    a = {"num_bits": num_bits, "type": "float", "symmetric": True, "group_size": group_size, "strategy": strategy}
-    if block_structure is not None:
-        a["block_structure"] = list(block_structure)
-    a["dynamic"] = dynamic
-    if scale_dtype is not None:
-        a["scale_dtype"] = scale_dtype
-    if observer is not None:
-        a["observer"] = observer
-    return a
-
-
-def _mx_element(s: ModuleScheme) -> tuple[str, int]:
-    """(compressed-tensors format, bits) of an MX scheme's element; an element compressed-tensors has no
-    format for is refused rather than written under another's name."""
-    try:
-        return _MX_ELEMENTS[s.weights]
-    except KeyError:
-        raise ValueError(f"compressed-tensors has no format for MX element {s.weights!r} (it stores "
-                         f"{', '.join(_MX_ELEMENTS)})") from None
+def _describe(s: ModuleScheme) -> tuple:
+    return find_codec(FORMAT_NAME, s).describe(s)
 
 
 def group_format(s: ModuleScheme) -> str:
-    if s.kind == "nvfp4":
-        return NVFP4_FORMAT
-    if s.kind == "fp8":
-        return FLOAT if s.inputs else NAIVE
-    return _mx_element(s)[0]
+    """The config group ``format`` of a scheme."""
+    return _describe(s)[2]
 
 
 def scheme_args(s: ModuleScheme) -> tuple[dict, Optional[dict]]:
     """(weights, input_activations) of a scheme's config group."""
-    if s.kind == "nvfp4":
-        w = _a(4, "tensor_group", group_size=NVFP4_BLOCK, scale_dtype=E4M3_SCALE)
-        i = _a(4, "tensor_group", group_size=NVFP4_BLOCK, dynamic="local", scale_dtype=E4M3_SCALE,
-               observer="static_minmax") if s.inputs else None
-        return w, i
-    if s.kind == "fp8":
-        w = _a(8, s.weights, block_structure=(TILE, TILE) if s.weights == "block" else None)
-        i = {None: None, "tensor": _a(8, "tensor", observer="static_minmax"), "token": _a(8, "token", dynamic=True),
-             "block": _a(8, "group", group_size=TILE, dynamic=True)}[s.inputs]
-        return w, i
-    bits = _mx_element(s)[1]
-    w = _a(bits, "group", group_size=MX_BLOCK, scale_dtype=U8_SCALE)
-    return w, (_a(bits, "group", group_size=MX_BLOCK, dynamic=True, scale_dtype=U8_SCALE) if s.inputs else None)
+    return _describe(s)[:2]
 
 
 def kv_cache_scheme(kv: str) -> dict:
-    return _a(8, "tensor" if kv == "tensor" else "attn_head")
+    return ct_args(8, "tensor" if kv == "tensor" else "attn_head")
 
 
 # ---- writing ----------------------------------------------------------------------------------------
-def check(schemes: dict, kv: Optional[str]) -> None:
-    """compressed-tensors stores every scheme (vLLM loads kv_cache_scheme strategy "tensor" only)."""
-    return None
-
-
 def _groups(schemes: dict) -> dict[ModuleScheme, list[str]]:
     by: dict[ModuleScheme, list[str]] = {}
     for name, s in schemes.items():
@@ -114,9 +62,9 @@ def quantization_config(schemes: dict, ignore: list, producer: dict, blockscale:
     by = _groups(schemes)
     groups = {}
     for i, (s, names) in enumerate(by.items()):
-        w, a = scheme_args(s)
+        w, a, fmt = _describe(s)
         groups[f"group_{i}"] = {"targets": ["Linear"] if len(by) == 1 else sorted(names), "weights": w,
-                                "input_activations": a, "output_activations": None, "format": group_format(s)}
+                                "input_activations": a, "output_activations": None, "format": fmt}
     formats = {g["format"] for g in groups.values()}
     return config_document(groups, formats.pop() if len(formats) == 1 else MIXED, ignore,
                            kv_cache_scheme(kv) if kv else None, blockscale)
@@ -139,43 +87,6 @@ def config_document(groups: dict, fmt: str, ignore: list, kv_cache: Optional[dic
         "version": SCHEMA_VERSION,
         "blockscale": blockscale,
     }
-
-
-def side_files(schemes: dict, ignore: list, producer: dict, kv: Optional[str]) -> dict:
-    return {}
-
-
-def module_tensors(s: ModuleScheme, N: int, K: int) -> dict:
-    """FP8 / MX module: on-disk suffix -> (allowed dtypes, allowed shapes). Scales of other producers
-    may be 16-bit (compressed-tensors gives them the observed dtype); ours are FP32."""
-    f32 = (torch.float32, torch.bfloat16, torch.float16)
-    if s.kind == "fp8":
-        shape = {"tensor": ((1,), ()), "channel": ((N, 1), (N,)),
-                 "block": ((math.ceil(N / TILE), math.ceil(K / TILE)),)}[s.weights]
-        d = {"weight": ((torch.float8_e4m3fn,), ((N, K),)), "weight_scale": (f32, shape)}
-        if s.inputs == "tensor":
-            d["input_scale"] = (f32, ((1,), ()))
-        return d
-    codes = ("weight", ((torch.float8_e4m3fn,), ((N, K),))) if s.weights == "e4m3" else \
-        ("weight_packed", ((torch.uint8,), ((N, K // 2),)))
-    return {codes[0]: codes[1], "weight_scale": ((torch.uint8,), ((N, K // MX_BLOCK),))}
-
-
-def export_module(s: ModuleScheme, bufs: dict) -> dict:
-    """compressed-tensors' names are the modules' buffer names: the tensors as they are."""
-    return dict(bufs)
-
-
-def read_module(s: ModuleScheme, t: dict) -> dict:
-    """On-disk tensors -> module buffers (FP32 scales in the module's shape)."""
-    out = dict(t)
-    if s.kind == "fp8":
-        N = t["weight"].shape[0]
-        ws = t["weight_scale"].to(torch.float32)
-        out["weight_scale"] = ws.reshape({"tensor": (1,), "channel": (N, 1)}.get(s.weights, ws.shape))
-        if "input_scale" in t:
-            out["input_scale"] = t["input_scale"].to(torch.float32).reshape(1)
-    return out
 
 
 def kv_names(attn: str) -> tuple[str, str]:
@@ -299,7 +210,7 @@ def _group_scheme(group: dict, gname: str, top_format) -> ModuleScheme:
         w = _fp8_weights(weights, f"{where}.weights")
         return ModuleScheme("fp8", w, _fp8_inputs(acts, f"{where}.input_activations") if acts else None)
     if fmt in (MXFP8, MXFP4):
-        bits, element = (8, "e4m3") if fmt == MXFP8 else (4, "e2m1")
+        element, bits = mx_element_of(fmt)
         _mx_args(weights, f"{where}.weights", bits, False)
         if acts:
             _mx_args(acts, f"{where}.input_activations", bits, True)
@@ -367,8 +278,5 @@ def parse(qcfg: Optional[dict], side: Mapping[str, dict]) -> ParsedConfig:
     return ParsedConfig(scheme_of=scheme_of, kv=kv)
 
 
-MIXED_FORMAT = MixedFormat(check=check, quantization_config=quantization_config, side_files=side_files,
-                           module_tensors=module_tensors, export_module=export_module, read_module=read_module,
-                           kv_names=kv_names, kv_export=kv_export, kv_shapes=kv_shapes, parse=parse)
-
-__all__ = ["MIXED_FORMAT", "group_format", "kv_cache_scheme", "parse", "quantization_config", "scheme_args"]
+__all__ = ["config_document", "group_format", "kv_cache_scheme", "kv_export", "kv_names", "kv_shapes", "parse",
+           "quantization_config", "scheme_args"]

@@ -3,9 +3,8 @@ quantized Linears are ``NVFP4Linear`` / ``FP8Linear`` / ``MXLinear`` with the ch
 KV-cache scales (logits equal the exported model's bit for bit).
 
 Which format a checkpoint is comes from the one detector (``models.checkpoint_detection``, fed by the
-registered formats); everything format-specific (config parsing, tensor names, reading a layer, the
-decode scale; FP8 / MX / KV layouts in its ``MixedFormat``) is a field of its ``CheckpointFormat``
-(``registry``), so nothing here names a format. The plan and the checks: ``load_plan``.
+registered formats); everything format-specific is its ``CheckpointFormat``'s (config parsing, KV
+naming: ``registry``) or its codecs' (each Linear's tensors: ``codecs``), so nothing here names a format. The plan and the checks: ``load_plan``.
 
 A checkpoint is untrusted input. In order, before anything is allocated: every file read resolves
 inside the directory (``files``); config fields are type-checked and bounded (``schema``, the format's
@@ -33,8 +32,10 @@ from .common import FORMATS, CheckpointError, drop_shared
 from .experts import split_experts
 from .files import Shards, checkpoint_dir, inside, read_json
 from .load_plan import Plan, build_plan, check_plan, check_values
-from .module_schemes import ModuleScheme, build_module, rules_of, scheme_of
+from .codecs import codec_for
+from .module_schemes import build_module, rules_of, scheme_of
 from .registry import CheckpointFormat, ParsedConfig
+from .tensor_kinds import kind_of
 from .validate import check_model_bytes, check_sizes, verify_digests
 
 CONFIG_FILE = "config.json"
@@ -73,19 +74,12 @@ def _side_files(root: Path, fmt: CheckpointFormat) -> dict[str, dict]:
     return out
 
 
-def _nvfp4_only(fmt: CheckpointFormat, inline, side) -> ParsedConfig:
-    """A format without ``mixed``: its ``parse_config`` (every quantized Linear NVFP4, one scheme)."""
-    spec = fmt.parse_config(inline, side)
-    s = ModuleScheme("nvfp4", "nvfp4", "nvfp4" if spec.w4a4 else None)
-    return ParsedConfig(scheme_of=lambda name: s if spec.quantizes(name) else None)
-
-
 def _quant_spec(root: Path, fmt: CheckpointFormat, cfg: dict) -> tuple[ParsedConfig, dict]:
     """(the per-module schemes the format's configs give, checked quantization_config.blockscale section)."""
     inline = cfg.get("quantization_config")
     try:
         side = _side_files(root, fmt)
-        parsed = fmt.mixed.parse(inline, side) if fmt.mixed is not None else _nvfp4_only(fmt, inline, side)
+        parsed = fmt.parse(inline, side)
         return parsed, schema.blockscale_section(inline)
     except schema.ConfigError as e:
         raise CheckpointError(f"{root / (e.file or CONFIG_FILE)}: {e}") from None
@@ -159,15 +153,6 @@ def _list(names, k=8) -> str:
     return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "")
 
 
-def _nvfp4_bufs(fmt: CheckpointFormat, t: dict) -> dict:
-    layer = fmt.read_layer(t)
-    bufs = {"weight_packed": layer.weight_packed, "weight_scale": layer.weight_scale,
-            "weight_global_scale": layer.weight_global_scale}
-    if layer.input_global_scale is not None:
-        bufs["input_global_scale"] = layer.input_global_scale
-    return bufs
-
-
 def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat) -> None:
     """Each fused-experts module the plan quantizes becomes an ``NVFP4Experts`` built from its per-expert
     Linears (gate / up rows concatenated, their one outer and input scale)."""
@@ -176,14 +161,15 @@ def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointF
     from ..quant import NVFP4, QuantizedTensor
 
     for name, qe in plan.experts.items():
-        if not qe.scheme.is_nvfp4:  # FP8 / MX: filled as per-expert Linears, then stacked (_stack_experts)
+        if not kind_of(qe.scheme).packs_experts:  # FP8 / MX: filled as per-expert Linears, stacked (_stack_experts)
             continue
         module = model.get_submodule(name)
+        codec = codec_for(fmt, qe.scheme, name)
         per: dict = {}
         for e, p, lin in qe.linears:
             t = {suf: shards.get(key) for key, (n, suf, _, _) in plan.expected_q.items() if n == lin}
             try:
-                per[(e, p)] = _nvfp4_bufs(fmt, t)
+                per[(e, p)] = codec.read(qe.scheme, t)
             except ValueError as err:
                 raise CheckpointError(f"{shards.root}: {lin}: {err}") from None
         dtype = module.gate_up_proj.dtype
@@ -241,7 +227,7 @@ def _stack_experts(model: nn.Module, plan: Plan, linears: dict) -> None:
     from ..nn.scheme_experts import SchemeExperts
 
     for name, qe in plan.experts.items():
-        if qe.scheme.is_nvfp4:
+        if kind_of(qe.scheme).packs_experts:
             continue
         per = {(e, p): linears[n] for e, p, n in qe.linears}
         gate_up = [per[(e, "gate_up")] if (e, "gate_up") in per else _cat_rows([per[(e, "gate")], per[(e, "up")]])
@@ -261,7 +247,7 @@ def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, d
     for name, q in plan.quantized.items():
         if name in expert_linears:
             qe = next(x for x in plan.experts.values() if any(n == name for _, _, n in x.linears))
-            if not qe.scheme.is_nvfp4:
+            if not kind_of(qe.scheme).packs_experts:
                 detached[name] = build_module(q.scheme, q.rules, q.in_features, q.out_features, False, dtype)
             continue
         w = model.get_submodule(plan.memory(name)).weight
@@ -291,10 +277,7 @@ def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, d
             s = plan.quantized[name].scheme
             t = {suf: shards.get(key) for key, (n, suf, _, _) in plan.expected_q.items() if n == name}
             try:
-                if s.is_nvfp4:
-                    bufs = _nvfp4_bufs(fmt, t)
-                else:
-                    bufs = fmt.mixed.read_module(s, t)
+                bufs = codec_for(fmt, s, name).read(s, t)
             except ValueError as e:
                 raise CheckpointError(f"{shards.root}: {name}: {e}") from None
             for buf, v in bufs.items():

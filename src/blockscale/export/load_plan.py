@@ -1,8 +1,8 @@
 """What a checkpoint must hold, from a meta-device build of the model its config describes, and the
 checks of the stored tensors against it (names, dtypes, shapes, then values), made before anything
-is allocated. Each quantized Linear has the ``ModuleScheme`` the format's config gives it: NVFP4
-modules use the format's NVFP4 callables (``tensor_names``, ``expected_tensors``, ``decode_scale``),
-FP8 / MX modules and KV-cache scales its ``MixedFormat``."""
+is allocated. Each quantized Linear has the ``ModuleScheme`` the format's config gives it and is read
+by the format's codec for it (``codecs``: expected tensors, stored-value checks, the scales siblings
+share); KV-cache scales are named by the format's ``KVScales``."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -19,11 +19,13 @@ from ..nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
 from .experts import (GPT_OSS_KEPT, Family, expert_linear_names, family_of, fused_experts_modules, hub_name,
                       memory_name)
 from .files import Shards
+from ..quant.schemes import scheme_row
+from .codecs import codec_for
 from .module_schemes import ModuleRules, ModuleScheme
 from .registry import CheckpointFormat, ParsedConfig
 from .shared_scales import check_shared_scales, sibling_groups
-from .validate import (check_block_scales, check_decode_range, check_finite, check_fp8_codes, check_fp8_range,
-                       check_mx_finite, check_outer_scale, check_positive, check_ue8m0)
+from .tensor_kinds import kind_of
+from .validate import check_finite, check_positive
 
 KV_WHICH = ("k_scale", "v_scale")
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,10 +75,6 @@ class Plan:
         """The on-disk name of an in-memory module / tensor name."""
         return hub_name(name, self.family)
 
-    @property
-    def all_nvfp4(self) -> bool:
-        return all(q.scheme.is_nvfp4 for q in self.quantized.values())
-
 
 def _unshared(model: nn.Module) -> dict[str, torch.Tensor]:
     """The meta model's state without tied copies (what ``drop_shared`` keeps on a real model)."""
@@ -93,13 +91,7 @@ def _unshared(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _rules(name: str, s: ModuleScheme, bs: dict) -> ModuleRules:
-    if s.kind == "nvfp4" and s.inputs:
-        o = bs["input_overrides"].get(name, {})
-        return ModuleRules(o.get("input_scale_rule") or bs["input_scale_rule"] or "6",
-                           o.get("input_error") or bs["input_error"] or "mse")
-    if s.kind == "mx":
-        return ModuleRules(scale_rule=bs["mx_scale_overrides"].get(name) or bs["mx_scale_rule"] or "ceil")
-    return ModuleRules()
+    return kind_of(s).rules(name, s, bs)
 
 
 def _kv_heads(attn: nn.Module, cfg: dict) -> int:
@@ -148,11 +140,11 @@ def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path
                                   f"different schemes ({listing}, ...); blockscale loads every expert of a layer with "
                                   "one scheme")
         s = schemes.pop()
-        block = {"nvfp4": 16, "mx": 32}.get(s.kind)
+        block = scheme_row(s.name).block_size
         if block and (H % block or (two_i // 2) % block):
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: hidden {H} / intermediate {two_i // 2} "
                                   f"not multiples of {block}, so they cannot be {s.name}")
-        if s.kind == "fp8" and s.weights == "block" and not gpt_oss and (two_i // 2) % 128:
+        if s.weights == "block" and not gpt_oss and (two_i // 2) % 128:
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: intermediate {two_i // 2} is not a multiple "
                                   "of 128, so its gate and up cannot be 128x128-block FP8 Linears of one expert")
         rules = {_rules(n, s, bs) for _, _, n in lin}
@@ -175,13 +167,11 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
         s = parsed.scheme_of(name)
         if s is None:
             continue
-        if s.kind == "nvfp4" and m.in_features % 16:
-            raise CheckpointError(f"{config_path}: {name}: in_features={m.in_features} is not a multiple of 16, so it "
-                                  "cannot be NVFP4; the quantization config should list it in ignore / exclude_modules")
-        if s.kind == "mx" and m.in_features % 32:
-            raise CheckpointError(f"{config_path}: {name}: in_features={m.in_features} is not a multiple of 32, so it "
-                                  f"cannot be {s.name}; the quantization config should list it in ignore / "
-                                  "exclude_modules")
+        block = scheme_row(s.name).block_size
+        if block and m.in_features % block:
+            raise CheckpointError(f"{config_path}: {name}: in_features={m.in_features} is not a multiple of {block}, so "
+                                  f"it cannot be {kind_of(s).block_noun(s)}; the quantization config should list it in "
+                                  "ignore / exclude_modules")
         quantized[name] = QLinear(m.in_features, m.out_features, m.bias is not None, s, _rules(name, s, bs))
     for qe in experts.values():
         for _, p, n in qe.linears:
@@ -191,11 +181,7 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
             quantized[n] = QLinear(k, out, False, qe.scheme, qe.rules)
     expected_q = {}
     for name, q in quantized.items():
-        if q.scheme.is_nvfp4:
-            want = {suf: ((dt,), shapes) for suf, (dt, shapes) in
-                    fmt.expected_tensors(q.in_features, q.out_features, bool(q.scheme.inputs)).items()}
-        else:
-            want = fmt.mixed.module_tensors(q.scheme, q.out_features, q.in_features)
+        want = codec_for(fmt, q.scheme, name).expected(q.scheme, q.out_features, q.in_features)
         for suffix, (dts, shapes) in want.items():
             expected_q[f"{name}.{suffix}"] = (name, suffix, tuple(dts), tuple(tuple(s) for s in shapes))
     plain = {}
@@ -215,8 +201,8 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
     kv = {}
     if parsed.kv:
         for attn_name, attn in attention_modules(model).items():
-            shapes = tuple(tuple(s) for s in fmt.mixed.kv_shapes(parsed.kv, _kv_heads(attn, cfg)))
-            for which, key in zip(KV_WHICH, fmt.mixed.kv_names(attn_name)):
+            shapes = tuple(tuple(s) for s in fmt.kv.shapes(parsed.kv, _kv_heads(attn, cfg)))
+            for which, key in zip(KV_WHICH, fmt.kv.names(attn_name)):
                 kv[key] = (attn_name, which, shapes)
     seen = {}
     for t in list(model.parameters()) + list(model.buffers()):
@@ -230,9 +216,10 @@ def _list(names, k=8) -> str:
 
 
 def _describe(plan: Plan) -> str:
-    if plan.all_nvfp4 and not plan.kv:
+    kinds = {kind_of(q.scheme) for q in plan.quantized.values()}
+    if len(kinds) == 1 and not plan.kv and next(iter(kinds)).summary is not None:
         w4a4 = any(q.scheme.inputs for q in plan.quantized.values())
-        return f"{'W4A4' if w4a4 else 'W4A16'}, {len(plan.quantized)} NVFP4 Linears"
+        return f"{'W4A4' if w4a4 else 'W4A16'}, {len(plan.quantized)} {next(iter(kinds)).noun} Linears"
     names = sorted({q.scheme.name for q in plan.quantized.values()})
     kv = f", FP8 KV-cache scales per {'layer' if plan.kv_granularity == 'tensor' else 'head'}" if plan.kv else ""
     return f"{' + '.join(names)}, {len(plan.quantized)} quantized Linears{kv}"
@@ -269,49 +256,30 @@ def check_plan(plan: Plan, shards: Shards, root: Path, fmt_name: str, explicit: 
                                   "cast)")
 
 
-def _check_nvfp4(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
-    scale, outer = fmt.suffix("weight_scale"), (fmt.suffix("weight_global_scale"), fmt.suffix("input_global_scale"))
-    nv = {n for n, q in plan.quantized.items() if q.scheme.is_nvfp4}
-    for key, (mod, suffix, _, _) in plan.expected_q.items():
-        if mod not in nv:
-            continue
-        if suffix == scale:
-            check_block_scales(key, shards.view(key), shards.path(key))
-        elif suffix in outer:
-            check_outer_scale(key, shards.view(key), shards.path(key))
-    for name in nv:
-        key = f"{name}.{outer[0]}"
-        stored = shards.view(key)
-        check_decode_range(key, stored, fmt.decode_scale(stored), shards.view(f"{name}.{scale}"), shards.path(key))
+def _check_modules(plan: Plan, shards: Shards, fmt: CheckpointFormat) -> None:
+    """Each quantized Linear's stored values, as its codec checks them."""
+    for name, q in plan.quantized.items():
+        codec_for(fmt, q.scheme, name).check_stored(q.scheme, name, q.out_features, q.in_features,
+                                                    lambda suf: shards.view(f"{name}.{suf}"),
+                                                    lambda suf: shards.path(f"{name}.{suf}"))
 
 
-def _check_nvfp4_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
-    outer = (fmt.suffix("weight_global_scale"), fmt.suffix("input_global_scale"))
-    nv = [n for n, q in plan.quantized.items() if q.scheme.is_nvfp4]
-    stored = {n: {s: shards.view(f"{n}.{s}") for s in outer if f"{n}.{s}" in plan.expected_q} for n in nv}
-    groups = sibling_groups(nv)
+def _check_siblings_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
+    """Fused siblings hold the stored scales their codec says they share (NVFP4: the outer scales)."""
+    share = {n: codec_for(fmt, q.scheme, n).siblings_share(q.scheme) for n, q in plan.quantized.items()}
+    suffixes = list(dict.fromkeys(s for sufs in share.values() for s in sufs))
+    groups = sibling_groups([n for n, sufs in share.items() if sufs])
     try:
-        for s in outer:
-            check_shared_scales({n: d.get(s) for n, d in stored.items()}, s, groups)
+        for suf in suffixes:
+            check_shared_scales({n: shards.view(f"{n}.{suf}") for n, sufs in share.items() if suf in sufs}, suf,
+                                groups)
     except ValueError as e:
         raise CheckpointError(f"{root}: {e}") from None
 
 
-def _experts_shared_buffers(qe: QExperts, fmt: CheckpointFormat) -> tuple[str, ...]:
-    """The stored scales gate and up of one expert must share (on-disk suffixes): NVFP4 the outer weight
-    (and W4A4 input) scale; FP8 per-tensor weights their weight scale; static FP8 activations the input
-    scale; nothing for per-row / per-block scales."""
-    s = qe.scheme
-    if s.is_nvfp4:
-        return tuple(fmt.suffix(b) for b in ("weight_global_scale",) + (("input_global_scale",) if s.inputs else ()))
-    if s.kind == "fp8":
-        return (("weight_scale",) if s.weights == "tensor" else ()) + (("input_scale",) if s.inputs == "tensor" else ())
-    return ()
-
-
 def _check_experts_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
     """Gate and up of every expert carry the same stored per-tensor scales, bit for bit
-    (``_experts_shared_buffers``): vLLM's NVFP4 MoE loaders keep only the gate's (w13_*[:, 0]) and would
+    (the codec's ``experts_share``: NVFP4 outer and input scales, FP8 per-tensor scales): vLLM's NVFP4 MoE loaders keep only the gate's (w13_*[:, 0]) and would
     run the up rows with it; blockscale runs gate and up as one GEMM with one scale."""
     for name, qe in plan.experts.items():
         lin = {(e, p): n for e, p, n in qe.linears}
@@ -319,7 +287,7 @@ def _check_experts_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, roo
             continue
         for e in range(qe.experts):
             g, u = lin[(e, "gate")], lin[(e, "up")]
-            for suf in _experts_shared_buffers(qe, fmt):
+            for suf in codec_for(fmt, qe.scheme, name).experts_share(qe.scheme):
                 a, b = shards.view(f"{g}.{suf}"), shards.view(f"{u}.{suf}")
                 if not torch.equal(a.reshape(-1).to(torch.float32).view(torch.int32),
                                    b.reshape(-1).to(torch.float32).view(torch.int32)):
@@ -330,35 +298,15 @@ def _check_experts_shared(plan: Plan, shards: Shards, fmt: CheckpointFormat, roo
                         "with one scale (vLLM's NVFP4 MoE loaders keep the gate's), so they must be equal")
 
 
-def _check_other(plan: Plan, shards: Shards) -> None:
-    for key, (mod, suffix, _, _) in plan.expected_q.items():
-        q = plan.quantized[mod]
-        s, t, f = q.scheme, shards.view(key), shards.path(key)
-        if s.is_nvfp4:
-            continue
-        if suffix == "weight":
-            check_fp8_codes(key, t, f)
-        elif suffix == "input_scale":
-            check_positive(key, t, f)
-        elif suffix == "weight_scale" and s.kind == "fp8":
-            check_positive(key, t, f)
-            check_fp8_range(key, t, f)
-        elif suffix == "weight_scale":
-            check_ue8m0(key, t, f)
-            codes = f"{mod}.{'weight' if s.weights == 'e4m3' else 'weight_packed'}"
-            check_mx_finite(codes, s.weights, shards.view(codes), t, (q.out_features, q.in_features), f)
-
-
 def check_values(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) -> None:
     """Every stored value (see ``validate``), fused NVFP4 siblings sharing their outer scales."""
-    _check_nvfp4(plan, shards, fmt, root)
-    _check_other(plan, shards)
+    _check_modules(plan, shards, fmt)
     for key in plan.kv:
         check_positive(key, shards.view(key), shards.path(key))
     for key in plan.plain:
         check_finite(key, shards.view(key), shards.path(key))
     _check_experts_shared(plan, shards, fmt, root)
-    _check_nvfp4_shared(plan, shards, fmt, root)
+    _check_siblings_shared(plan, shards, fmt, root)
 
 
 __all__ = ["Plan", "QLinear", "build_plan", "check_plan", "check_values"]

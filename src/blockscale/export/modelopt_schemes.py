@@ -1,20 +1,7 @@
-"""ModelOpt unified checkpoints with FP8 / MXFP8 Linears, several schemes and FP8 KV-cache scales
-(the ``MixedFormat`` of the ModelOpt format; all-NVFP4 checkpoints without KV scales keep
-``modelopt``'s flat form).
+"""ModelOpt's configs: hf_quant_config.json and config.json ``quantization_config`` for the schemes of
+a model, each described by its codec's quant_algo (``modelopt_codecs``), and reading them back.
 
-quant_algo per scheme (ModelOpt ``export/quant_utils.py`` ``process_layer_quant_config``; vLLM
-``modelopt.py`` ``QUANT_ALGOS`` and ``ModelOptMixedPrecisionConfig``):
-
-    nvfp4-w4a4           NVFP4        weight u8 [N,K/2], weight_scale e4m3 [N,K/16], weight_scale_2 f32 [],
-    nvfp4-w4a16          W4A16_NVFP4    input_scale f32 [] (W4A4)           {"group_size": 16}
-    fp8-w8a8 tensor/tensor  FP8       weight e4m3 [N,K], weight_scale f32 [], input_scale f32 []
-    fp8-w8a8 channel/token  FP8_PER_CHANNEL_PER_TOKEN  weight e4m3 [N,K], weight_scale f32 [N]  (one scheme
-                                      only: vLLM's MIXED_PRECISION has no sub-config for it)
-    mxfp8                MXFP8        weight e4m3 [N,K], weight_scale u8 [N,K/32]
-
-Every other scheme (fp8-block: ModelOpt's FP8_PB_WO is weight-only with a [N/128,1,K/128,1] scale;
-static per-channel or dynamic per-tensor FP8; weights-only FP8 / MXFP8; MXFP4) has no quant_algo:
-``check`` refuses it naming the module and suggesting compressed-tensors. Several schemes:
+One quant_algo: ``quant_algo`` (NVFP4 / W4A16_NVFP4 with ``group_size`` 16: the all-NVFP4 case). Several schemes:
 ``quant_algo: "MIXED_PRECISION"`` + ``quantized_layers`` {module: {"quant_algo", ("group_size")}} in
 hf_quant_config.json and config.json (the layout of ModelOpt's ``convert_hf_quant_config_format``:
 one config group per distinct layer entry, targets sorted). KV cache: ``kv_cache_quant_algo: "FP8"``
@@ -30,16 +17,13 @@ from typing import Mapping, Optional
 import torch
 
 from . import schema
-from .module_schemes import ModuleScheme
-from .registry import MixedFormat, ParsedConfig
+from .codecs import find_codec
+from .modelopt_codecs import ALGOS, FORMAT_NAME, NVFP4_ALGOS
+from .registry import ParsedConfig
+from .scheme_types import ModuleScheme
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 QUANT_METHOD = "modelopt"
-NVFP4_ALGOS = {"NVFP4": ModuleScheme("nvfp4", "nvfp4", "nvfp4"), "W4A16_NVFP4": ModuleScheme("nvfp4", "nvfp4")}
-ALGOS = {**NVFP4_ALGOS, "FP8": ModuleScheme("fp8", "tensor", "tensor"),
-         "FP8_PER_CHANNEL_PER_TOKEN": ModuleScheme("fp8", "channel", "token"),
-         "MXFP8": ModuleScheme("mx", "e4m3", "e4m3")}
-ALGO_OF = {s: a for a, s in ALGOS.items()}
 MIXED_ALGO, KV_ALGO = "MIXED_PRECISION", "FP8"
 NOT_IN_MIXED = ("FP8_PER_CHANNEL_PER_TOKEN",)
 KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
@@ -64,21 +48,20 @@ def layer_entry(algo: str) -> dict:
 
 
 # ---- writing ----------------------------------------------------------------------------------------
+def unsupported(name: str, s: ModuleScheme) -> str:
+    """The refusal of a scheme ModelOpt has no quant_algo (so no codec) for."""
+    return (f"{name}: scheme {s.label} has no ModelOpt quant_algo (ModelOpt stores NVFP4, W4A16_NVFP4, FP8 = "
+            "fp8-w8a8 tensor weights with static tensor activations, FP8_PER_CHANNEL_PER_TOKEN = fp8-w8a8 "
+            "channel/token, MXFP8); use format='compressed-tensors'")
+
+
 def check(schemes: dict, kv: Optional[str]) -> None:
-    """ValueError for a module whose scheme ModelOpt has no quant_algo for (see the module docstring)."""
-    algos = set()
-    for name, s in schemes.items():
-        algo = ALGO_OF.get(s)
-        if algo is None:
-            raise ValueError(f"{name}: scheme {s.label} has no ModelOpt quant_algo (ModelOpt stores NVFP4, "
-                             "W4A16_NVFP4, FP8 = fp8-w8a8 tensor weights with static tensor activations, "
-                             "FP8_PER_CHANNEL_PER_TOKEN = fp8-w8a8 channel/token, MXFP8); use "
-                             "format='compressed-tensors'")
-        algos.add(algo)
-    if len(algos) > 1:
+    """ValueError for a combination vLLM cannot load (every scheme has a quant_algo: ``unsupported``)."""
+    algos = _algos(schemes)
+    if len(set(algos.values())) > 1:
         for name, s in schemes.items():
-            if ALGO_OF[s] in NOT_IN_MIXED:
-                raise ValueError(f"{name}: scheme {s.label} ({ALGO_OF[s]}) cannot be one of several schemes in a "
+            if algos[name] in NOT_IN_MIXED:
+                raise ValueError(f"{name}: scheme {s.label} ({algos[name]}) cannot be one of several schemes in a "
                                  "ModelOpt MIXED_PRECISION checkpoint (vLLM's ModelOptMixedPrecisionConfig loads FP8, "
                                  "NVFP4, W4A16_NVFP4 and MXFP8 layers only); use format='compressed-tensors'")
     if kv == "head":
@@ -87,7 +70,8 @@ def check(schemes: dict, kv: Optional[str]) -> None:
 
 
 def _algos(schemes: dict) -> dict[str, str]:
-    return {n: ALGO_OF[s] for n, s in schemes.items()}
+    """{module: the quant_algo its codec describes it by}."""
+    return {n: find_codec(FORMAT_NAME, s).describe(s) for n, s in schemes.items()}
 
 
 def _single(schemes: dict) -> Optional[str]:
@@ -131,38 +115,6 @@ def quantization_config(schemes: dict, exclude: list, producer: dict, blockscale
 
 def side_files(schemes: dict, exclude: list, producer: dict, kv: Optional[str]) -> dict:
     return {HF_QUANT_CONFIG: hf_quant_config(schemes, exclude, producer, kv)}
-
-
-def module_tensors(s: ModuleScheme, N: int, K: int) -> dict:
-    """FP8 / MXFP8 module: on-disk suffix -> (allowed dtypes, allowed shapes)."""
-    f32 = (torch.float32,)
-    w = ((torch.float8_e4m3fn,), ((N, K),))
-    if s.kind == "mx":
-        return {"weight": w, "weight_scale": ((torch.uint8,), ((N, K // MX_BLOCK),))}
-    if s.weights == "channel":
-        return {"weight": w, "weight_scale": (f32, ((N,), (N, 1)))}
-    return {"weight": w, "weight_scale": (f32, ((), (1,))), "input_scale": (f32, ((), (1,)))}
-
-
-def export_module(s: ModuleScheme, bufs: dict) -> dict:
-    """Per-tensor scales as FP32 scalars, per-channel ones as [N] (what ModelOpt writes)."""
-    out = dict(bufs)
-    if s.kind == "fp8":
-        ws = bufs["weight_scale"].to(torch.float32)
-        out["weight_scale"] = ws.reshape(-1) if s.weights == "channel" else ws.reshape(())
-        if "input_scale" in bufs:
-            out["input_scale"] = bufs["input_scale"].to(torch.float32).reshape(())
-    return out
-
-
-def read_module(s: ModuleScheme, t: dict) -> dict:
-    out = dict(t)
-    if s.kind == "fp8":
-        ws = t["weight_scale"].to(torch.float32)
-        out["weight_scale"] = ws.reshape(-1, 1) if s.weights == "channel" else ws.reshape(1)
-        if "input_scale" in t:
-            out["input_scale"] = t["input_scale"].to(torch.float32).reshape(1)
-    return out
 
 
 def kv_names(attn: str) -> tuple[str, str]:
@@ -283,8 +235,5 @@ def parse(inline: Optional[dict], side: Mapping[str, dict]) -> ParsedConfig:
     return ParsedConfig(scheme_of=scheme_of, kv="tensor" if kv else None)
 
 
-MIXED_FORMAT = MixedFormat(check=check, quantization_config=quantization_config, side_files=side_files,
-                           module_tensors=module_tensors, export_module=export_module, read_module=read_module,
-                           kv_names=kv_names, kv_export=kv_export, kv_shapes=kv_shapes, parse=parse)
-
-__all__ = ["ALGOS", "ALGO_OF", "MIXED_FORMAT", "hf_quant_config", "layer_entry", "parse", "quantization_config"]
+__all__ = ["check", "hf_quant_config", "kv_export", "kv_names", "kv_shapes", "layer_entry", "parse",
+           "quantization_config", "side_files", "unsupported"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..nn.kv_cache import kv_scales
-from .module_schemes import ModuleScheme, buffers
+from .scheme_types import ModuleScheme
 
 UE8M0_NAN = 255
 E4M3_NAN_BYTES = (0x7F, 0xFF)
@@ -63,22 +63,23 @@ def _fp8_codes(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: {n} E4M3 codes are NaN (bytes 0x7f / 0xff)")
 
 
-def check_module(name: str, m: nn.Module, s: ModuleScheme) -> None:
-    """Any quantized Linear (see the module docstring)."""
-    if s.kind == "nvfp4":
-        return check_nvfp4_module(name, m)
+def check_fp8_module(name: str, m: nn.Module, s: ModuleScheme) -> None:
+    """An FP8Linear's buffers: dtypes / shapes, codes without NaN bytes, scales finite and > 0."""
     N, K = m.out_features, m.in_features
-    if s.kind == "fp8":
-        shape = {"tensor": (1,), "channel": (N, 1), "block": (-(-N // 128), -(-K // 128))}[s.weights]
-        want = {"weight": (torch.float8_e4m3fn, (N, K)), "weight_scale": (torch.float32, shape)}
-        if s.inputs == "tensor":
-            want["input_scale"] = (torch.float32, (1,))
-        _want(name, m, want)
-        _fp8_codes(f"{name}.weight", m.weight)
-        _positive(f"{name}.weight_scale", m.weight_scale)
-        if s.inputs == "tensor":
-            _positive(f"{name}.input_scale", m.input_scale)
-        return None
+    shape = {"tensor": (1,), "channel": (N, 1), "block": (-(-N // 128), -(-K // 128))}[s.weights]
+    want = {"weight": (torch.float8_e4m3fn, (N, K)), "weight_scale": (torch.float32, shape)}
+    if s.inputs == "tensor":
+        want["input_scale"] = (torch.float32, (1,))
+    _want(name, m, want)
+    _fp8_codes(f"{name}.weight", m.weight)
+    _positive(f"{name}.weight_scale", m.weight_scale)
+    if s.inputs == "tensor":
+        _positive(f"{name}.input_scale", m.input_scale)
+
+
+def check_mx_module(name: str, m: nn.Module, s: ModuleScheme) -> None:
+    """An MXLinear's buffers: dtypes / shapes, E4M3 codes without NaN bytes, UE8M0 scale bytes != 255."""
+    N, K = m.out_features, m.in_features
     codes = ("weight", (torch.float8_e4m3fn, (N, K))) if s.weights == "e4m3" else \
         ("weight_packed", (torch.uint8, (N, K // 2)))
     _want(name, m, {codes[0]: codes[1], "weight_scale": (torch.uint8, (N, K // 32))})
@@ -87,11 +88,6 @@ def check_module(name: str, m: nn.Module, s: ModuleScheme) -> None:
     n = 0 if m.weight_scale.is_meta else int((m.weight_scale == UE8M0_NAN).sum())  # meta: see _positive
     if n:
         raise ValueError(f"{name}.weight_scale: {n} UE8M0 scale bytes are 255 (NaN)")
-    return None
-
-
-def module_buffers(m: nn.Module, s: ModuleScheme) -> dict[str, torch.Tensor]:
-    return {b: getattr(m, b).detach() for b in buffers(s)}
 
 
 def kv_modules(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -147,5 +143,5 @@ def mx_meta(mx: dict) -> dict:
     return meta
 
 
-__all__ = ["activation_meta", "check_module", "check_nvfp4_module", "kv_granularity", "kv_modules", "module_buffers",
-           "mx_meta"]
+__all__ = ["activation_meta", "check_fp8_module", "check_mx_module", "check_nvfp4_module", "kv_granularity",
+           "kv_modules", "mx_meta"]

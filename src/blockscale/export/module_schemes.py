@@ -6,12 +6,10 @@ handling, the part a checkpoint's quantization config states) and the in-memory 
     MXLinear     -> ModuleScheme("mx", "e4m3"|"e2m1", None | the weight element)
 
 What a config cannot state (NVFP4 W4A4 activation rule / error, the MX scale rule the activations
-are quantized with) lives in ``ModuleRules``, recorded in ``quantization_config.blockscale``.
+are quantized with) lives in ``ModuleRules``, recorded in ``quantization_config.blockscale``. What
+each kind's buffers and modules are: ``tensor_kinds``.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -20,47 +18,11 @@ from ..nn.fp8_linear import FP8Linear
 from ..nn.mx_linear import MXLinear
 from ..nn.nvfp4_linear import NVFP4Linear
 from ..nn.quantized_modules import QUANTIZED_LINEAR_TYPES
-from ..quant.schemes import stored_scheme_name
+from .scheme_types import ModuleRules, ModuleScheme
+from .tensor_kinds import TENSOR_KINDS, kind_of
 
-KINDS = ("nvfp4", "fp8", "mx")
-
-
-@dataclass(frozen=True)
-class ModuleScheme:
-    """kind: "nvfp4" | "fp8" | "mx"; weights: "nvfp4" | FP8 weight granularity ("tensor", "channel",
-    "block" = 128x128) | MX element ("e4m3", "e2m1"); inputs: None (weights only) | "nvfp4" | FP8
-    input granularity ("tensor" static, "token" / "block" 1x128 dynamic) | the MX element (dynamic per 32)."""
-
-    kind: str
-    weights: str
-    inputs: Optional[str] = None
-
-    @property
-    def name(self) -> str:
-        """The scheme name: the row of ``quant.schemes.SCHEME_TABLE`` that stores it (recipes' SCHEME_NAMES,
-        plus the weights-only "fp8-w8a16" / "mxfp8-w8a16")."""
-        return stored_scheme_name(self.kind, self.weights, self.inputs)
-
-    @property
-    def label(self) -> str:
-        """The name with what it does not say, e.g. "fp8-w8a8 channel/token", "fp8-block block/token"."""
-        if self.kind == "fp8":
-            return f"{self.name} {self.weights}/{self.inputs or 'none'}"
-        return self.name
-
-    @property
-    def is_nvfp4(self) -> bool:
-        return self.kind == "nvfp4"
-
-
-@dataclass(frozen=True)
-class ModuleRules:
-    """What the config does not say: NVFP4 W4A4 activation ``input_scale_rule`` / ``input_error``,
-    the MX ``scale_rule`` (activations of mxfp8 / mxfp4; the stored weights do not depend on it)."""
-
-    input_scale_rule: Optional[str] = None
-    input_error: str = "mse"
-    scale_rule: str = "ceil"
+#: the ``ModuleScheme.kind`` values (one per ``tensor_kinds.TensorKind``)
+KINDS = tuple(k.name for k in TENSOR_KINDS)
 
 
 def scheme_of(m: nn.Module) -> ModuleScheme:
@@ -85,26 +47,13 @@ def rules_of(m: nn.Module) -> ModuleRules:
 
 def buffers(scheme: ModuleScheme) -> tuple[str, ...]:
     """The module's quantized buffers (compressed-tensors' on-disk names) for ``scheme``."""
-    if scheme.kind == "nvfp4":
-        return ("weight_packed", "weight_scale", "weight_global_scale") + \
-            (("input_global_scale",) if scheme.inputs else ())
-    if scheme.kind == "fp8":
-        return ("weight", "weight_scale") + (("input_scale",) if scheme.inputs == "tensor" else ())
-    return ("weight_packed" if scheme.weights == "e2m1" else "weight", "weight_scale")
+    return kind_of(scheme).buffers(scheme)
 
 
 def build_module(scheme: ModuleScheme, rules: ModuleRules, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype) -> nn.Module:
     """An empty module of ``scheme`` (its buffers are filled from a checkpoint)."""
-    if scheme.kind == "nvfp4":
-        return NVFP4Linear(in_features, out_features, bias, dtype=dtype,
-                           input_scale_rule=(rules.input_scale_rule or "6") if scheme.inputs else None,
-                           input_error=rules.input_error if scheme.inputs else "mse")
-    if scheme.kind == "fp8":
-        return FP8Linear(in_features, out_features, bias, weight_granularity=scheme.weights,
-                         input_granularity=scheme.inputs, dtype=dtype)
-    return MXLinear(in_features, out_features, bias, element=scheme.weights, input_element=scheme.inputs,
-                    scale_rule=rules.scale_rule, dtype=dtype)
+    return kind_of(scheme).build(scheme, rules, in_features, out_features, bias, dtype)
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:

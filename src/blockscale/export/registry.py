@@ -1,27 +1,26 @@
 """The checkpoint-format registry: every checkpoint format (compressed-tensors, ModelOpt, ...) is one
-module that builds one ``CheckpointFormat`` and calls ``register``; ``export_checkpoint`` and
-``load_checkpoint`` look the format up here and never test a format's name.
+module that builds one ``CheckpointFormat``, calls ``register`` and registers one ``codecs.TensorCodec``
+per tensor kind it stores; ``export_checkpoint`` and ``load_checkpoint`` look the format up here and
+its codecs in ``codecs``, and never test a format's name.
 
-    register(CheckpointFormat(name="modelopt", quant_method="modelopt", tensor_names={...}, ...))
+    register(CheckpointFormat(name="modelopt", quant_method="modelopt", quantization_config=..., ...))
     format_named("modelopt_fp4")   -> the CheckpointFormat (aliases accepted; UsageError otherwise)
     FORMATS                        -> read-only {name: CheckpointFormat}, in registration order
 
-A format describes one NVFP4 Linear ``<m>`` on disk. In memory (``NVFP4Linear``) it is
-``weight_packed`` uint8 [N, K/2], ``weight_scale`` E4M3 [N, K/16], ``weight_global_scale`` = the FP32
-encode scale S [1] (x^ = q * s / S) and, for W4A4, ``input_global_scale`` = S_in [1]. Contract of the
-callables (``tensor_names`` maps those four buffer names to the format's on-disk suffixes):
+A format owns its config and its naming; how a Linear's tensors are stored is its codecs'. Contract
+of the callables (``schemes``: {module name: ModuleScheme} of every quantized Linear, in model order;
+``kv``: None (no KV-cache scales), "tensor" (one per attention layer) or "head" (one per KV head)):
 
-    quantization_config(w4a4, ignore, producer, blockscale) -> config.json ``quantization_config``
-    side_files(w4a4, ignore, producer) -> {file name: JSON object} written next to config.json
-    export_tensor(buffer, t) -> (on-disk suffix, tensor to write)        (buffer in ``tensor_names``)
-    check_module(name, m) -> None: ValueError when ``m`` (an NVFP4Linear) cannot be stored bit for bit
+    quantization_config(schemes, ignore, producer, blockscale, kv) -> config.json ``quantization_config``
+      (the schemes grouped as the format groups them, each described by its codec's ``describe``)
+    side_files(schemes, ignore, producer, kv) -> {file name: JSON object} written next to config.json
+    check(schemes, kv) -> None: ValueError for a combination the format cannot hold (each scheme has a codec)
+    unsupported(module, scheme) -> the refusal of a scheme no codec stores (None: a generic one)
     detects(quantization_config or None, has_file) -> bool: the directory holds this format
       (``has_file(name)``: a regular file ``name`` inside the directory)
-    parse_config(quantization_config or None, side files {name: JSON object read}) -> QuantScheme;
+    parse(quantization_config or None, side files {name: JSON object read}) -> ParsedConfig;
       ``schema.ConfigError`` (with ``.file``) naming the key of a malformed or unsupported field
-    expected_tensors(in_features, out_features, w4a4) -> {suffix: (dtype, allowed shapes)}
-    read_layer({suffix: tensor}) -> LayerTensors; ValueError for an unusable stored scale
-    decode_scale(stored outer scale) -> the FP32 factor dequantization multiplies by, fl(1/S)
+    kv: ``KVScales`` naming / shaping the FP8 KV-cache scales (None: the format stores none)
 
 The registry also plugs each format's ``detects`` into ``models.checkpoint_detection``, the one
 detector ``models.hf`` (refusing to open a checkpoint through transformers) and ``load_checkpoint``
@@ -37,30 +36,7 @@ import torch
 
 from ..errors import UsageError
 from ..models.checkpoint_detection import register_detector, unregister_detector
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """What a checkpoint's quantization config says: W4A4 (NVFP4 activations) or W4A16, and which
-    Linears are NVFP4 (``is_target`` and not ``is_ignored``)."""
-
-    w4a4: bool
-    is_ignored: Callable[[str], bool]
-    is_target: Callable[[str], bool]
-
-    def quantizes(self, name: str) -> bool:
-        return self.is_target(name) and not self.is_ignored(name)
-
-
-@dataclass(frozen=True)
-class LayerTensors:
-    """One NVFP4 Linear's fields read back from a checkpoint, as ``NVFP4Linear`` holds them: packed
-    codes, E4M3 block scales, the FP32 encode scale S [1] and (W4A4) S_in [1]."""
-
-    weight_packed: torch.Tensor
-    weight_scale: torch.Tensor
-    weight_global_scale: torch.Tensor
-    input_global_scale: Optional[torch.Tensor] = None
+from .codecs import unregister_codecs
 
 
 @dataclass(frozen=True)
@@ -74,43 +50,21 @@ class ParsedConfig:
 
 
 @dataclass(frozen=True)
-class MixedFormat:
-    """How a format stores FP8 / MX Linears, several schemes in one checkpoint and FP8 KV-cache
-    scales (``CheckpointFormat.mixed``; a format without it holds all-NVFP4 checkpoints only).
+class KVScales:
+    """How a format stores FP8 KV-cache scales: names(attention module) -> (k tensor name, v tensor
+    name); export(scale [1] or [H_kv], per_head) -> the tensor to write; shapes(kv, H_kv) -> allowed shapes."""
 
-    check(schemes {module: ModuleScheme}, kv None | "tensor" | "head") -> None; ValueError naming the
-      module and scheme the format cannot store
-    quantization_config(schemes, ignore, producer, blockscale, kv) -> config.json quantization_config
-    side_files(schemes, ignore, producer, kv) -> {file name: JSON object}
-    module_tensors(scheme, out_features, in_features) -> {suffix: (dtype, allowed shapes)} (FP8 / MX)
-    export_module(scheme, {buffer: tensor}) -> {suffix: tensor}; read_module(scheme, {suffix: tensor})
-      -> {buffer: tensor} (FP8 / MX; NVFP4 modules use the format's NVFP4 callables)
-    kv_names(attention module name) -> (k tensor name, v tensor name)
-    kv_export(scale [1] or [H_kv], per_head) -> tensor to write; kv_shapes(kv, H_kv) -> allowed shapes
-    parse(quantization_config or None, side files) -> ParsedConfig; ``schema.ConfigError`` naming the key
-    """
-
-    check: Callable[[dict, Optional[str]], None]
-    quantization_config: Callable[[dict, list, dict, dict, Optional[str]], dict]
-    side_files: Callable[[dict, list, dict, Optional[str]], dict]
-    module_tensors: Callable[[Any, int, int], dict]
-    export_module: Callable[[Any, dict], dict]
-    read_module: Callable[[Any, dict], dict]
-    kv_names: Callable[[str], tuple]
-    kv_export: Callable[[torch.Tensor, bool], torch.Tensor]
-    kv_shapes: Callable[[str, int], tuple]
-    parse: Callable[[Optional[dict], Mapping[str, dict]], ParsedConfig]
+    names: Callable[[str], tuple]
+    export: Callable[[torch.Tensor, bool], torch.Tensor]
+    shapes: Callable[[str, int], tuple]
 
 
-def _no_side_files(w4a4: bool, ignore: list[str], producer: dict) -> dict[str, Any]:
+def _no_side_files(schemes: dict, ignore: list, producer: dict, kv: Optional[str]) -> dict[str, Any]:
     return {}
 
 
-def _no_check(name: str, module) -> None:
+def _no_rule(schemes: dict, kv: Optional[str]) -> None:
     return None
-
-
-BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
 
 
 @dataclass(frozen=True)
@@ -120,36 +74,26 @@ class CheckpointFormat:
     name: what ``export_checkpoint(format=...)`` takes and ``checkpoint_format`` returns.
     quant_method: config.json ``quantization_config.quant_method`` it writes (named in messages).
     aliases: other names ``format=`` accepts (lower case).
-    tensor_names: NVFP4Linear buffer -> on-disk suffix, for the four ``BUFFERS``.
     side_file_names: {file name: what it is, in words} of the JSON files it writes beside config.json
-      and ``parse_config`` reads (when present).
+      and ``parse`` reads (when present).
     serving_dtype: config.json ``dtype`` to write (the dtype the format's runtime decompresses to);
       None: the model dtype.
     detection: how ``detects`` recognises it, in words (for the "not a checkpoint" message).
-    mixed: FP8 / MX Linears, mixed schemes and KV-cache scales (``MixedFormat``); None: NVFP4 only.
     """
 
     name: str
     quant_method: str
-    tensor_names: Mapping[str, str]
-    quantization_config: Callable[[bool, list, dict, dict], dict]
-    export_tensor: Callable[[str, torch.Tensor], tuple]
+    quantization_config: Callable[[dict, list, dict, dict, Optional[str]], dict]
     detects: Callable[[Optional[dict], Callable[[str], bool]], bool]
-    parse_config: Callable[[Optional[dict], Mapping[str, dict]], QuantScheme]
-    expected_tensors: Callable[[int, int, bool], dict]
-    read_layer: Callable[[dict], LayerTensors]
-    decode_scale: Callable[[torch.Tensor], torch.Tensor]
+    parse: Callable[[Optional[dict], Mapping[str, dict]], ParsedConfig]
     aliases: tuple[str, ...] = ()
-    side_files: Callable[[bool, list, dict], dict] = _no_side_files
+    side_files: Callable[[dict, list, dict, Optional[str]], dict] = _no_side_files
     side_file_names: Mapping[str, str] = field(default_factory=dict)
-    check_module: Callable[[str, Any], None] = _no_check
+    check: Callable[[dict, Optional[str]], None] = _no_rule
+    unsupported: Optional[Callable[[str, Any], str]] = None
+    kv: Optional[KVScales] = None
     serving_dtype: Optional[torch.dtype] = None
     detection: str = ""
-    mixed: Optional[MixedFormat] = None
-
-    def suffix(self, buffer: str) -> str:
-        """The on-disk suffix of an NVFP4Linear buffer."""
-        return self.tensor_names[buffer]
 
 
 _BY_NAME: dict[str, CheckpointFormat] = {}
@@ -161,8 +105,6 @@ def register(fmt: CheckpointFormat) -> CheckpointFormat:
     """Add ``fmt`` (and its detector); ValueError if its name or an alias is taken by another format."""
     if not isinstance(fmt, CheckpointFormat):
         raise TypeError(f"register expects a blockscale.export.registry.CheckpointFormat, got {type(fmt).__name__}")
-    if set(fmt.tensor_names) != set(BUFFERS):
-        raise ValueError(f"checkpoint format {fmt.name!r}: tensor_names must map exactly {', '.join(BUFFERS)}")
     for key in (fmt.name, *fmt.aliases):
         owner = _ALIASES.get(key.lower())
         if owner is not None and _BY_NAME[owner] is not fmt:
@@ -175,10 +117,11 @@ def register(fmt: CheckpointFormat) -> CheckpointFormat:
 
 
 def unregister(name: str) -> None:
-    """Remove the format registered as ``name`` (and its aliases and detector); nothing if absent."""
+    """Remove the format registered as ``name`` (and its aliases, detector and codecs); nothing if absent."""
     fmt = _BY_NAME.pop(name, None)
     if fmt is None:
         return
+    unregister_codecs(name)
     for key in [k for k, v in _ALIASES.items() if v == name]:
         del _ALIASES[key]
     unregister_detector(name)
@@ -200,5 +143,5 @@ def side_file_names() -> frozenset[str]:
     return frozenset(n for f in _BY_NAME.values() for n in f.side_file_names)
 
 
-__all__ = ["BUFFERS", "CheckpointFormat", "FORMATS", "LayerTensors", "MixedFormat", "ParsedConfig", "QuantScheme",
-           "format_named", "register", "side_file_names", "unregister"]
+__all__ = ["CheckpointFormat", "FORMATS", "KVScales", "ParsedConfig", "format_named", "register", "side_file_names",
+           "unregister"]

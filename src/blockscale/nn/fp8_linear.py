@@ -16,30 +16,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..errors import UsageError
 from ..quant import FP8, QuantizedTensor, fake_quantize
-from ..quant.fp8 import dequantize_values, encode_with_scale
-from .straight_through import straight_through
+from ..quant.fp8 import dequantize_values, encode_with_scale, scale_from_amax
+from .quantized_linear import QuantizedInferenceLinear, keep_buffer_dtypes
 
 WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
 INPUT_GRANULARITIES = (None, "tensor", "token", "block")
 TILE = 128
-
-
-def keep_buffer_dtypes(module: nn.Module, apply, fn, recurse, follow=()):
-    """``apply(fn, recurse)`` (``nn.Module._apply``) with the module's own buffers keeping their dtype:
-    ``module.to(torch.bfloat16)`` moves FP8 codes and FP32 scales, it never casts them (only the bias and
-    the buffers named in ``follow``, e.g. gpt-oss experts' biases)."""
-    before = {name: b for name, b in module._buffers.items() if b is not None and name not in follow}
-    out = apply(fn, recurse)
-    for name, old in before.items():
-        new = module._buffers.get(name)
-        if new is not None and new.dtype != old.dtype:
-            module._buffers[name] = old.to(new.device)
-    return out
 
 
 def _choices(values) -> str:
@@ -60,7 +45,7 @@ def weight_spec(granularity: str) -> FP8:
     return FP8("e4m3", "block", (TILE, TILE)) if granularity == "block" else FP8("e4m3", granularity)
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(QuantizedInferenceLinear):
     """Linear layer with FP8 (E4M3) weights and optionally FP8 activations.
 
     Buffers (the checkpoint's tensors, compressed-tensors' names): ``weight`` float8_e4m3fn [N, K],
@@ -69,10 +54,12 @@ class FP8Linear(nn.Module):
     model dtype (requires_grad False).
     """
 
+    initial_values = {"weight_scale": 1.0}
+    kind = "fp8"
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
                  weight_granularity: str = "tensor", input_granularity: Optional[str] = None,
                  dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
         if weight_granularity not in WEIGHT_GRANULARITIES:
             raise UsageError(f"weight_granularity={weight_granularity!r} is not supported; allowed values: "
                              f"{_choices(WEIGHT_GRANULARITIES)}")
@@ -81,26 +68,20 @@ class FP8Linear(nn.Module):
                              f"{_choices(INPUT_GRANULARITIES)}")
         if in_features < 1 or out_features < 1:
             raise UsageError(f"in_features={in_features}, out_features={out_features}: both must be positive")
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(weight_spec(weight_granularity), in_features, out_features, bias, dtype=dtype, device=device)
         self.weight_granularity, self.input_granularity = weight_granularity, input_granularity
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
-        scale_shape = weight_scale_shape(weight_granularity, out_features, in_features)
-        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         if input_granularity == "tensor":
             self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device))
         else:
             self.input_scale = None
-        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
-        self._cache: Optional[tuple] = None
-        self._dtype = dtype
 
     @property
-    def scheme_name(self) -> str:
-        """"fp8-block" (128x128 weight tiles), "fp8-w8a8" (activations quantized), "fp8-w8a16" (weights only)."""
-        if self.weight_granularity == "block":
-            return "fp8-block"
-        return "fp8-w8a16" if self.input_granularity is None else "fp8-w8a8"
+    def weight_spec(self) -> FP8:
+        return weight_spec(self.weight_granularity)
+
+    @property
+    def stored(self) -> tuple:
+        return ("fp8", self.weight_granularity, self.input_granularity)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -131,32 +112,27 @@ class FP8Linear(nn.Module):
         if q.scales.numel() != m.weight_scale.numel():
             raise UsageError(f"q.scales has shape {tuple(q.scales.shape)}; expected {tuple(m.weight_scale.shape)} "
                              f"for {spec.granularity} scales of a ({N}, {K}) weight")
-        m.weight.copy_(q.codes)
-        m.weight_scale.copy_(q.scales.reshape(m.weight_scale.shape))
+        m.load_quantized(q, bias)
         if input_scale is not None:
             if input_scale.numel() != 1:
                 raise UsageError(f"input_scale has {input_scale.numel()} elements; a static per-tensor input "
                                  "scale has 1")
             m.input_scale.copy_(input_scale.reshape(1))
-        if bias is not None:
-            m.bias.data.copy_(bias.detach())
         return m
 
-    def quantized_weight(self) -> QuantizedTensor:
-        """The weight as a quant.fp8 ``QuantizedTensor`` (shares the buffers; scales in quant.fp8's
-        layout: [] per tensor, [N, 1] per channel, [ceil(N/128), ceil(K/128)] per block)."""
-        scales = self.weight_scale.reshape(()) if self.weight_granularity == "tensor" else self.weight_scale
-        return QuantizedTensor(spec=weight_spec(self.weight_granularity), codes=self.weight, scales=scales,
-                               shape=torch.Size((self.out_features, self.in_features)), dtype=self._dtype)
+    @classmethod
+    def empty(cls, stored, in_features, out_features, bias=False, *, rules=None, dtype=torch.float32,
+              device=None) -> "FP8Linear":
+        return cls(in_features, out_features, bias, weight_granularity=stored[1], input_granularity=stored[2],
+                   dtype=dtype, device=device)
 
-    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """w^ = q * s in FP32, cast to ``dtype`` (default: the layer's dtype); cached."""
-        dtype = dtype or self._dtype
-        key = (dtype, self.weight.device, self.weight._version, self.weight_scale._version, self.weight.data_ptr(),
-               self.weight_scale.data_ptr())
-        if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self.quantized_weight().dequantize(dtype))
-        return self._cache[1]
+    @classmethod
+    def from_scheme(cls, q, bias, scheme, input_amax, dtype) -> "FP8Linear":
+        """Inputs as ``scheme.stored`` says; static ("tensor"): s_in = input_amax / 448 (zero amax -> 1)."""
+        g = scheme.stored[2]
+        s_in = scale_from_amax(torch.tensor([float(input_amax)], dtype=torch.float32), "e4m3") if g == "tensor" \
+            else None
+        return cls.from_quantized(q, bias, input_granularity=g, input_scale=s_in, dtype=dtype)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """x fake-quantized to E4M3 as ``input_granularity`` says (see the module docstring); x's dtype."""
@@ -168,15 +144,6 @@ class FP8Linear(nn.Module):
             return dequantize_values(encode_with_scale(x.detach(), s, "e4m3"), s).to(x.dtype)
         spec = FP8("e4m3", "token") if g == "token" else FP8("e4m3", "block", (1, TILE))
         return fake_quantize(x, spec, check_finite=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantized_weight(x.dtype)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(straight_through(x, self.quantize_input), w, b)
-
-    def _apply(self, fn, recurse=True):
-        self._cache = None
-        return keep_buffer_dtypes(self, super()._apply, fn, recurse)
 
     def extra_repr(self) -> str:
         act = "weights only" if self.input_granularity is None else f"activations {self.input_granularity}"

@@ -11,15 +11,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..errors import UsageError
 from ..quant import MX, QuantizedTensor, fake_quantize
 from ..quant.mx import BLOCK, MX_SCALE_RULES
-from ..quant.schemes import stored_scheme_name
-from .fp8_linear import keep_buffer_dtypes
-from .straight_through import straight_through
+from .quantized_linear import QuantizedInferenceLinear
 
 MX_LINEAR_ELEMENTS = ("e4m3", "e2m1")
 
@@ -28,7 +24,7 @@ def _choices(values) -> str:
     return ", ".join(map(repr, values))
 
 
-class MXLinear(nn.Module):
+class MXLinear(QuantizedInferenceLinear):
     """Linear layer with MX weights (MXFP8 E4M3 or MXFP4 E2M1) and optionally MX activations.
 
     Buffers (the checkpoint's tensors, compressed-tensors' names): MXFP8 ``weight`` float8_e4m3fn
@@ -36,12 +32,15 @@ class MXLinear(nn.Module):
     ``weight_scale`` uint8 [N, K/32] (UE8M0 biased exponents). ``bias`` (if any) is a parameter in
     the model dtype (requires_grad False). in_features must be a multiple of 32 (one scale per 32).
     input_element: None (weights only) or the weight's element (MXFP8 x MXFP8, MXFP4 x MXFP4).
+    (Storage, cache and forward: ``QuantizedInferenceLinear``.)
     """
+
+    initial_values = {"weight_scale": 127}  # 2**0: every block scale 1
+    kind = "mx"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, element: str = "e4m3",
                  input_element: Optional[str] = None, scale_rule: str = "ceil",
                  dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
         if element not in MX_LINEAR_ELEMENTS:
             raise UsageError(f"element={element!r} is not supported; allowed values: {_choices(MX_LINEAR_ELEMENTS)}")
         if input_element not in (None, element):
@@ -53,31 +52,16 @@ class MXLinear(nn.Module):
         if in_features < 1 or in_features % BLOCK or out_features < 1:
             raise UsageError(f"in_features={in_features}: MX checkpoints need a positive multiple of {BLOCK} inputs "
                              f"(one UE8M0 scale per {BLOCK}); keep this layer in high precision instead")
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(MX(element, scale_rule), in_features, out_features, bias, dtype=dtype, device=device)
         self.element, self.input_element, self.scale_rule = element, input_element, scale_rule
-        if element == "e2m1":
-            self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
-                                                              device=device))
-        else:
-            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
-                                                       device=device))
-        # 127: 2**0, every block scale 1
-        self.register_buffer("weight_scale", torch.full((out_features, in_features // BLOCK), 127, dtype=torch.uint8,
-                                                        device=device))
-        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
-        self._cache: Optional[tuple] = None
-        self._dtype = dtype
 
     @property
-    def codes(self) -> torch.Tensor:
-        """The element buffer: ``weight_packed`` (MXFP4) or ``weight`` (MXFP8)."""
-        return self.weight_packed if self.element == "e2m1" else self.weight
+    def weight_spec(self) -> MX:
+        return MX(self.element, self.scale_rule)
 
     @property
-    def scheme_name(self) -> str:
-        """"mxfp8", "mxfp4", "mxfp4-w4a16" or "mxfp8-w8a16" (weights only)."""
-        return stored_scheme_name("mx", self.element, self.input_element)
+    def stored(self) -> tuple:
+        return ("mx", self.element, self.input_element)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -99,40 +83,26 @@ class MXLinear(nn.Module):
             if src.shape != dst.shape or src.dtype != dst.dtype:
                 raise UsageError(f"q.{name} is {tuple(src.shape)}:{src.dtype}; expected "
                                  f"{tuple(dst.shape)}:{dst.dtype} for MX {spec.element} of a ({N}, {K}) weight")
-            dst.copy_(src)
-        if bias is not None:
-            m.bias.data.copy_(bias.detach())
+        m.load_quantized(q, bias)
         return m
 
-    def quantized_weight(self) -> QuantizedTensor:
-        """The weight as a quant.mx ``QuantizedTensor`` (shares the buffers)."""
-        return QuantizedTensor(spec=MX(self.element, self.scale_rule), codes=self.codes, scales=self.weight_scale,
-                               shape=torch.Size((self.out_features, self.in_features)), dtype=self._dtype)
+    @classmethod
+    def empty(cls, stored, in_features, out_features, bias=False, *, rules=None, dtype=torch.float32,
+              device=None) -> "MXLinear":
+        """``rules["scale_rule"]``: the activations' MX scale rule (default "ceil")."""
+        return cls(in_features, out_features, bias, element=stored[1], input_element=stored[2],
+                   scale_rule=(rules or {}).get("scale_rule", "ceil"), dtype=dtype, device=device)
 
-    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """w^ = v * 2**(b - 127) in FP32, cast to ``dtype`` (default: the layer's dtype); cached."""
-        dtype = dtype or self._dtype
-        codes = self.codes
-        key = (dtype, codes.device, codes._version, self.weight_scale._version, codes.data_ptr(),
-               self.weight_scale.data_ptr())
-        if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self.quantized_weight().dequantize(dtype))
-        return self._cache[1]
+    @classmethod
+    def from_scheme(cls, q, bias, scheme, input_amax, dtype) -> "MXLinear":
+        """Inputs as ``scheme.stored`` says (the weight's element, dynamic per 32, or none)."""
+        return cls.from_quantized(q, bias, input_element=scheme.stored[2], dtype=dtype)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """x fake-quantized to MX(input_element, scale_rule) with dynamic per-32 scales; else x."""
         if self.input_element is None:
             return x
         return fake_quantize(x, MX(self.input_element, self.scale_rule), check_finite=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantized_weight(x.dtype)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(straight_through(x, self.quantize_input), w, b)
-
-    def _apply(self, fn, recurse=True):
-        self._cache = None
-        return keep_buffer_dtypes(self, super()._apply, fn, recurse)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -10,53 +10,49 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..quant import NVFP4, QuantizedTensor, fake_quantize
-# the calibrated input scale lives in quant.nvfp4; re-exported here for importers not yet switched
-from ..quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale, reciprocal_fixed_point
-from .fp8_linear import keep_buffer_dtypes
+from ..quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale
+from .quantized_linear import QuantizedInferenceLinear
 
 
-class NVFP4Linear(nn.Module):
+class NVFP4Linear(QuantizedInferenceLinear):
     """Linear layer with NVFP4 weights (and optionally NVFP4 activations).
 
     Buffers (the checkpoint's tensors): ``weight_packed`` uint8 [N, K/2], ``weight_scale``
     float8_e4m3fn [N, K/16], ``weight_global_scale`` FP32 [1] (S: x^ = q * s * (1/S)), and for W4A4
     ``input_global_scale`` FP32 [1]. ``bias`` (if any) is a parameter in the model dtype.
+    (Storage, cache and forward: ``QuantizedInferenceLinear``.)
     in_features must be a multiple of 16 (what serving kernels accept).
     """
+
+    initial_values = {"weight_global_scale": 1.0}
+    kind = "nvfp4"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
                  input_scale_rule: Optional[str] = None, input_error: str = "mse",
                  dtype: torch.dtype = torch.float32, device=None):
-        super().__init__()
         if in_features % 16:
             raise ValueError(f"in_features={in_features}: NVFP4 checkpoints need a multiple of 16 inputs "
                              "(one E4M3 scale per 16); keep this layer in high precision instead")
         if input_scale_rule is not None and input_scale_rule not in INPUT_SCALE_RULES:
             raise ValueError(f"input_scale_rule={input_scale_rule!r}; allowed values: None (W4A16), "
                              f"{', '.join(map(repr, INPUT_SCALE_RULES))}")
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(NVFP4(), in_features, out_features, bias, dtype=dtype, device=device)
         self.input_scale_rule = input_scale_rule
         self.input_error = input_error
-        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // 16, dtype=torch.float8_e4m3fn,
-                                                         device=device))
-        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
         if input_scale_rule is not None:
             self.register_buffer("input_global_scale", torch.ones(1, dtype=torch.float32, device=device))
         else:
             self.input_global_scale = None
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
-        self._cache: Optional[tuple] = None
-        self._dtype = dtype
 
     @property
-    def scheme_name(self) -> str:
-        """"nvfp4-w4a4" (activations quantized) or "nvfp4-w4a16"."""
-        return "nvfp4-w4a16" if self.input_global_scale is None else "nvfp4-w4a4"
+    def weight_spec(self) -> NVFP4:
+        return NVFP4()
+
+    @property
+    def stored(self) -> tuple:
+        return ("nvfp4", "nvfp4", None if self.input_global_scale is None else "nvfp4")
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -75,30 +71,29 @@ class NVFP4Linear(nn.Module):
         dtype = dtype or (bias.dtype if bias is not None else q.dtype)
         m = cls(K, N, bias is not None, input_scale_rule=input_scale_rule, input_error=input_error, dtype=dtype,
                 device=q.codes.device)
-        m.weight_packed.copy_(q.codes)
-        m.weight_scale.copy_(q.scales)
-        m.weight_global_scale.copy_(q.outer_scale.reshape(1))
+        m.load_quantized(q, bias)
         if input_global_scale is not None:
             m.input_global_scale.copy_(input_global_scale.reshape(1))
-        if bias is not None:
-            m.bias.data.copy_(bias.detach())
         return m
 
-    def quantized_weight(self) -> QuantizedTensor:
-        """The weight as a ``QuantizedTensor`` (shares the buffers)."""
-        S = self.weight_global_scale.reshape(())
-        return QuantizedTensor(spec=NVFP4(), codes=self.weight_packed, scales=self.weight_scale,
-                               shape=torch.Size((self.out_features, self.in_features)), dtype=self._dtype,
-                               outer_scale=S)
+    @classmethod
+    def empty(cls, stored, in_features, out_features, bias=False, *, rules=None, dtype=torch.float32,
+              device=None) -> "NVFP4Linear":
+        """W4A4 when ``stored`` has inputs: ``rules["input_scale_rule"]`` (default "6") / ``["input_error"]``."""
+        rules = rules or {}
+        w4a4 = stored[2] is not None
+        return cls(in_features, out_features, bias, input_scale_rule=(rules.get("input_scale_rule") or "6") if w4a4
+                   else None, input_error=rules.get("input_error", "mse") if w4a4 else "mse", dtype=dtype,
+                   device=device)
 
-    def dequantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """x^ = (q * s) * (1/S) in FP32, cast to ``dtype`` (default: the layer's dtype); cached."""
-        dtype = dtype or self._dtype
-        key = (dtype, self.weight_packed.device, self.weight_packed._version, self.weight_scale._version,
-               self.weight_global_scale._version, self.weight_packed.data_ptr())
-        if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self.quantized_weight().dequantize(dtype))
-        return self._cache[1]
+    @classmethod
+    def from_scheme(cls, q, bias, scheme, input_amax, dtype) -> "NVFP4Linear":
+        """W4A4 (static inputs): the input encode scale ``input_encode_scale(input_amax, act_scale_rule)``."""
+        kw = {}
+        if scheme.static_activations:
+            kw = dict(input_global_scale=input_encode_scale(input_amax, scheme.act_scale_rule),
+                      input_scale_rule=scheme.act_scale_rule, input_error=scheme.error)
+        return cls.from_quantized(q, bias, dtype=dtype, **kw)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """W4A4: x fake-quantized to NVFP4 (per-16 dynamic block scales, the calibrated S); else x."""
@@ -106,16 +101,6 @@ class NVFP4Linear(nn.Module):
             return x
         spec = NVFP4(scale_rule=self.input_scale_rule, error=self.input_error)
         return fake_quantize(x, spec, encode_scale=self.input_global_scale, check_finite=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantized_weight(x.dtype)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(self.quantize_input(x), w, b)
-
-    def _apply(self, fn, recurse=True):
-        """``.to(dtype)`` casts the bias only, never the codes and scales (as FP8Linear / MXLinear)."""
-        self._cache = None
-        return keep_buffer_dtypes(self, super()._apply, fn, recurse)
 
     def extra_repr(self) -> str:
         act = "W4A16" if self.input_scale_rule is None else f"W4A4 (activations scale_rule={self.input_scale_rule})"

@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..quant import FP8, MX, QuantizedTensor, fake_quantize
-from ..quant.fp8 import dequantize_values, encode_with_scale
-from .fp8_linear import FP8Linear, keep_buffer_dtypes, weight_spec
+from ..quant import QuantizedTensor
+from .fp8_linear import FP8Linear
 from .mx_linear import MXLinear
+from .quantized_linear import QuantizedInferenceLinear, keep_buffer_dtypes
 from .nvfp4_experts import eager_experts, hf_experts_forward, shell_of, stacked_dequantized
 from .nvfp4_gpt_oss_experts import eager_gpt_oss_experts, gpt_oss_forward
 
@@ -40,10 +40,8 @@ SCHEME_EXPERT_KINDS = ("fp8", "mx")
 
 
 def _scheme_of_linear(m: nn.Module) -> tuple:
-    if isinstance(m, FP8Linear):
-        return ("fp8", m.weight_granularity, m.input_granularity, "ceil")
-    if isinstance(m, MXLinear):
-        return ("mx", m.element, m.input_element, m.scale_rule)
+    if isinstance(m, (FP8Linear, MXLinear)):
+        return (*m.stored, getattr(m, "scale_rule", "ceil"))
     raise ValueError(f"expected an FP8Linear or MXLinear, got {type(m).__name__}")
 
 
@@ -74,14 +72,8 @@ class SchemeExperts(nn.Module):
             for b, t in proto.named_buffers(recurse=False):
                 if t is None:
                     continue
-                shape = (E,) + tuple(t.shape)
-                if b == "weight_scale" and t.dtype == torch.uint8:
-                    buf = torch.full(shape, 127, dtype=torch.uint8, device=device)
-                elif t.dtype == torch.float32:
-                    buf = torch.ones(shape, dtype=torch.float32, device=device)
-                else:
-                    buf = torch.zeros(shape, dtype=t.dtype, device=device)
-                self.register_buffer(f"{p}_{b}", buf)
+                fill = type(proto).initial_values.get(b, 1.0 if t.dtype == torch.float32 else 0)
+                self.register_buffer(f"{p}_{b}", torch.full((E,) + tuple(t.shape), fill, dtype=t.dtype, device=device))
         if gpt_oss:
             self.register_buffer("gate_up_proj_bias", torch.zeros(E, 2 * intermediate_dim, dtype=dtype, device=device))
             self.register_buffer("down_proj_bias", torch.zeros(E, hidden_dim, dtype=dtype, device=device))
@@ -89,12 +81,19 @@ class SchemeExperts(nn.Module):
         self._cache: Optional[tuple] = None
         self.__dict__["_hf_shell"] = None
 
-    def _empty_linear(self, rows: int, k: int, device=None) -> nn.Module:
-        if self.kind == "fp8":
-            return FP8Linear(k, rows, False, weight_granularity=self.weights, input_granularity=self.inputs,
-                             dtype=getattr(self, "_dtype", torch.float32), device=device)
-        return MXLinear(k, rows, False, element=self.weights, input_element=self.inputs, scale_rule=self.scale_rule,
-                        dtype=getattr(self, "_dtype", torch.float32), device=device)
+    def _empty_linear(self, rows: int, k: int, device=None) -> QuantizedInferenceLinear:
+        """An empty Linear of one expert's [rows, k] GEMM (the class of this module's kind)."""
+        return QuantizedInferenceLinear.class_for(self.kind).empty(
+            (self.kind, self.weights, self.inputs), k, rows, rules={"scale_rule": self.scale_rule},
+            dtype=getattr(self, "_dtype", torch.float32), device=device)
+
+    def _expert_view(self, proj: str, expert: int) -> QuantizedInferenceLinear:
+        """Expert ``expert``'s ``proj`` GEMM as a Linear whose buffers are views of this module's (no copy)."""
+        lin = self._empty_linear(*self._shape(proj), device="meta")
+        for b, t in lin._buffers.items():
+            if t is not None:
+                lin._buffers[b] = getattr(self, f"{proj}_{b}")[expert]
+        return lin
 
     # -- what it is ------------------------------------------------------------------------------
     @property
@@ -188,16 +187,7 @@ class SchemeExperts(nn.Module):
     def quantized_weight(self, proj: str, expert: int) -> QuantizedTensor:
         """Expert ``expert``'s ``proj`` weight as a QuantizedTensor (as that expert's Linear's
         ``quantized_weight()``; shares the buffers)."""
-        N, K = self._shape(proj)
-        if self.kind == "fp8":
-            s = getattr(self, f"{proj}_weight_scale")[expert]
-            return QuantizedTensor(spec=weight_spec(self.weights), codes=getattr(self, f"{proj}_weight")[expert],
-                                   scales=s.reshape(()) if self.weights == "tensor" else s,
-                                   shape=torch.Size((N, K)), dtype=self._dtype)
-        codes = getattr(self, f"{proj}_weight_packed" if self.weights == "e2m1" else f"{proj}_weight")[expert]
-        return QuantizedTensor(spec=MX(self.weights, self.scale_rule), codes=codes,
-                               scales=getattr(self, f"{proj}_weight_scale")[expert], shape=torch.Size((N, K)),
-                               dtype=self._dtype)
+        return self._expert_view(proj, expert).quantized_weight()
 
     def dequantized(self, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) dequantized per expert, in ``dtype`` (default the replaced
@@ -206,17 +196,11 @@ class SchemeExperts(nn.Module):
 
     def quantize_input(self, x: torch.Tensor, proj: str, expert: int) -> torch.Tensor:
         """x as expert ``expert``'s ``proj`` Linear quantizes its input (``FP8Linear.quantize_input`` /
-        ``MXLinear.quantize_input``); x itself for weights-only schemes."""
-        g = self.inputs
-        if g is None:
+        ``MXLinear.quantize_input``, with the expert's static input scale where it has one); x itself for
+        weights-only schemes."""
+        if self.inputs is None:
             return x
-        if self.kind == "mx":
-            return fake_quantize(x, MX(g, self.scale_rule), check_finite=False)
-        if g == "tensor":
-            s = getattr(self, f"{proj}_input_scale")[expert].to(torch.float32)
-            return dequantize_values(encode_with_scale(x.detach(), s, "e4m3"), s).to(x.dtype)
-        spec = FP8("e4m3", "token") if g == "token" else FP8("e4m3", "block", (1, 128))
-        return fake_quantize(x, spec, check_finite=False)
+        return self._expert_view(proj, expert).quantize_input(x)
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -7,14 +7,19 @@ from .methods import (AWQ, GPTQ, METHODS, RTN, AWQOptions, GPTQOptions, RTNOptio
 from .methods.awq import AWQResult, awq_search
 from .methods.gptq import gptq_fixed_grid, gptq_quantize
 from .methods.smoothquant import smoothquant_scales
+from .oneshot import OneshotOptions, OneshotResult, PerplexityEval, oneshot
 from .options import OptionError, option
 from .protocol import LayerContext, PTQMethod, QuantizedWeight
 from .quantize_model import LinearReport, PTQReport, quantize_model
 from .smoothing import SmoothingGroup, find_smoothing_groups, fold_smoothing
 from .statistics import HessianAccumulator, InputStatistics, StatisticsRequest
+from .stream_options import StreamingOptions
+from .stream_quantizer import StreamingQuantizer
 
 __all__ = ["ACTIVATIONS", "AWQ", "AWQOptions", "AWQResult", "GPTQ", "GPTQOptions", "HessianAccumulator",
-           "InputStatistics", "LayerContext", "LinearReport", "METHODS", "OptionError", "PTQConfig", "PTQMethod",
-           "PTQReport", "QuantizedWeight", "RTN", "RTNOptions", "SmoothQuant", "SmoothQuantOptions",
-           "SmoothingGroup", "StatisticsRequest", "WEIGHT_SCALE_RULES", "awq_search", "find_smoothing_groups",
-           "fold_smoothing", "gptq_fixed_grid", "gptq_quantize", "option", "quantize_model", "register_method", "smoothquant_scales"]
+           "InputStatistics", "LayerContext", "LinearReport", "METHODS", "OneshotOptions", "OneshotResult",
+           "OptionError", "PTQConfig", "PTQMethod", "PTQReport", "PerplexityEval", "QuantizedWeight", "RTN",
+           "RTNOptions", "SmoothQuant", "SmoothQuantOptions", "SmoothingGroup", "StatisticsRequest", "StreamingOptions",
+           "StreamingQuantizer", "WEIGHT_SCALE_RULES", "awq_search", "find_smoothing_groups", "fold_smoothing",
+           "gptq_fixed_grid", "gptq_quantize", "oneshot", "option", "quantize_model", "register_method",
+           "smoothquant_scales"]

@@ -39,7 +39,7 @@ from torch import nn
 from ..errors import QuantizationError
 from ..nn.nvfp4_experts import NVFP4Experts
 from ..nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts, gpt_oss_expert_matrices, is_gpt_oss_experts
-from ..nn.scheme_experts import SchemeExperts
+from ..nn.scheme_experts import SCHEME_EXPERT_KINDS, SchemeExperts
 from ..quant.nvfp4 import input_encode_scale
 from .scheme_modules import build_linear
 from .scheme_quantize import group_weight_scale, rtn_quantize
@@ -226,12 +226,12 @@ def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Opti
                 + (", input amax from the layer's other experts" if amaxes is not None else ""))
         notes.append(line)
     notes.extend(odd)
-    if scheme.family == "nvfp4":
-        new = (NVFP4GptOssExperts if gpt_oss else NVFP4Experts).from_experts(module, qs["gate_up"], qs["down"], **kw)
-    else:  # FP8 / MX: each expert's GEMM as its scheme's inference Linear, stacked
+    if scheme.stored[0] in SCHEME_EXPERT_KINDS:  # each expert's GEMM as its scheme's inference Linear, stacked
         lin = {p: [build_linear(qs[p][e], None, scheme, amaxes[p][e] if amaxes else 0.0, W_gu.dtype)
                    for e in range(E)] for p in _PROJ}
         new = SchemeExperts.from_linears(module, lin["gate_up"], lin["down"], gpt_oss=gpt_oss)
+    else:  # NVFP4: gate and up of one expert share one outer scale
+        new = (NVFP4GptOssExperts if gpt_oss else NVFP4Experts).from_experts(module, qs["gate_up"], qs["down"], **kw)
     has_h = any(v is not None for v in out_rel["gate_up"] + out_rel["down"])
     rep = ExpertsReport(name, E, tuple(W_gu.shape), tuple(W_dn.shape), est.tokens() if est is not None else None,
                         rel, amaxes, "; ".join(notes), scheme.label,

@@ -39,7 +39,8 @@ class SchemeRow:
     statistics (their stored format is ``weight``'s). ``stored(options)``: the (kind, weights, inputs) triple
     its Linears are stored as (None: high precision); ``input_quantizer(options, amax)``: x -> the inputs
     the scheme's inference Linear feeds its GEMM, with the static scale from the calibrated input ``amax``
-    where it has one (None: weights only); ``noun``: how messages name the format whose blocks it needs."""
+    where it has one (None: weights only); ``noun``: how messages name the format whose blocks it needs;
+    ``names_granularity``: a stored Linear's label adds "weights/inputs" (FP8: "fp8-w8a8 channel/token")."""
 
     name: str
     family: str
@@ -54,6 +55,7 @@ class SchemeRow:
     block_size: Optional[int] = None
     weighted_rules: frozenset = field(default_factory=frozenset)
     in_recipes: bool = True
+    names_granularity: bool = False
 
     def defaults(self) -> dict[str, str]:
         return {k: v[0] for k, v in self.options.items()}
@@ -126,13 +128,13 @@ SCHEME_TABLE: tuple[SchemeRow, ...] = (
                                                                                                       "static") else [],
               lambda k, w, i: k == "fp8" and w != "block" and i is not None,
               lambda o: ("fp8", o["weights"], _fp8_input_granularity(o)),
-              lambda o, amax: _fp8_inputs(_fp8_input_granularity(o), amax), "FP8"),
+              lambda o, amax: _fp8_inputs(_fp8_input_granularity(o), amax), "FP8", names_granularity=True),
     SchemeRow("fp8-block", "fp8", {}, lambda o: FP8("e4m3", "block", (128, 128)), lambda o: "dynamic",
               lambda o: [], lambda k, w, i: k == "fp8" and w == "block", lambda o: ("fp8", "block", "block"),
-              lambda o, amax: _fp8_inputs("block", amax), "FP8"),
+              lambda o, amax: _fp8_inputs("block", amax), "FP8", names_granularity=True),
     SchemeRow("fp8-w8a16", "fp8", {}, lambda o: FP8("e4m3"), lambda o: None, lambda o: [],
               lambda k, w, i: k == "fp8" and w != "block" and i is None, lambda o: ("fp8", "tensor", None),
-              _no_inputs, "FP8", in_recipes=False),
+              _no_inputs, "FP8", names_granularity=True, in_recipes=False),
     SchemeRow("mxfp8", "mx", dict(_MX), lambda o: MX("e4m3", scale_rule=o["scale_rule"]), lambda o: "dynamic",
               _mx_label, lambda k, w, i: k == "mx" and (w, i) == ("e4m3", "e4m3"), lambda o: ("mx", "e4m3", "e4m3"),
               _mx_inputs("e4m3"), "mxfp8 (MX)", MX.block_size),
@@ -168,4 +170,14 @@ def stored_scheme_name(kind: str, weights: str, inputs: Optional[str]) -> str:
     raise ValueError(f"no quantization scheme stores a {kind} Linear with weights {weights!r} and inputs {inputs!r}")
 
 
-__all__ = ["RECIPE_SCHEME_NAMES", "SCHEME_TABLE", "SchemeRow", "Stored", "scheme_row", "stored_scheme_name"]
+def stored_scheme_label(kind: str, weights: str, inputs: Optional[str]) -> str:
+    """The name of a stored Linear's scheme with what the name does not say: "fp8-w8a8 channel/token",
+    "fp8-block block/token"; the name alone for rows whose options the stored form does not show."""
+    for row in SCHEME_TABLE:
+        if row.stores(kind, weights, inputs):
+            return f"{row.name} {weights}/{inputs or 'none'}" if row.names_granularity else row.name
+    return stored_scheme_name(kind, weights, inputs)  # (raises: no row stores it)
+
+
+__all__ = ["RECIPE_SCHEME_NAMES", "SCHEME_TABLE", "SchemeRow", "Stored", "scheme_row", "stored_scheme_label",
+           "stored_scheme_name"]

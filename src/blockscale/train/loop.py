@@ -15,10 +15,12 @@ Logged rows (every ``log_interval`` steps, at evaluations and at the end) carry 
 over micro steps and ranks. Checkpoints (every ``ckpt_interval`` steps and at the end) hold step,
 optimizer, the task's config and run record, and what ``task.contents`` says; resume restores them, so
 with batches a pure function of (seed, step, micro step, rank) a resumed run repeats an uninterrupted
-one bit for bit (on CPU; on CUDA where the kernels are deterministic). Under torchrun the model is
-wrapped in DDP and only rank 0 writes files; with ``LoopConfig.fsdp`` it is sharded with FSDP2 instead
-(``train.fsdp``: units, mixed precision, sharded DCP checkpoints ``NAME.dcp`` that resume exactly, the
-model unsharded again at the end and the final ``ckpt_name`` gathered on rank 0).
+one bit for bit (on CPU; on CUDA where the kernels are deterministic). How the run uses the ranks is
+one ``train.parallelism.Parallelism`` chosen from the config: under torchrun the model is wrapped in DDP
+and only rank 0 writes files; with ``LoopConfig.fsdp`` it is sharded with FSDP2 instead (``train.fsdp``:
+units, mixed precision, sharded DCP checkpoints ``NAME.dcp`` that resume exactly, the model unsharded
+again at the end and the final ``ckpt_name`` gathered on rank 0); with ``LoopConfig.expert_parallel`` the
+MoE experts are sharded over the ranks (``train.expert_parallel``).
 """
 from __future__ import annotations
 
@@ -32,16 +34,15 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.nn as nn
 
-from ..errors import BlockscaleError, UsageError
+from ..errors import BlockscaleError
 from ..file_errors import write_text_atomic
-from .checkpoint import CheckpointContents, check_record, restore_optimizer
+from .checkpoint import CheckpointContents
 from .device import autocast_context
-from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, join_distributed, no_sync, wrap_ddp
-from . import fsdp as fsdp2
-from .expert_parallel import ExpertParallelRun
+from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, join_distributed, no_sync
+from .fsdp import local_state_bytes
 from .metrics import append_metrics, plot_run, truncate_metrics
+from .parallelism import RunCheckpoint, select_parallelism
 from .progress import ProgressBar
-from .gradients import clip_gradients
 
 
 class TrainingDivergedError(BlockscaleError, RuntimeError):
@@ -210,164 +211,177 @@ def _resume_note(state, task, loop, info, ckpt_path, start_step) -> str:
 
 
 def _run(model, task, loop, info, device, resume, record, force) -> TrainResult:
-    out = Path(loop.out_dir) if loop.out_dir else None
-    if resume and out is None:
-        raise ValueError("resume=True needs cfg.out_dir")
-    ckpt_path = out / loop.ckpt_name if out else None
-    metrics_path = out / loop.metrics_name if out else None
-    main, contents = info.is_main, task.contents
+    run = _Run(model, task, loop, info, device, resume, record)
+    run.start(resume, force)
+    run.train()
+    return run.result()
 
-    ep = ExpertParallelRun(loop.expert_parallel, info) if loop.expert_parallel is not None else None
-    if ep is not None:
-        if loop.fsdp or contents.trainable_only:
-            raise UsageError("expert parallelism runs with DDP and whole-model checkpoints: it cannot be combined "
-                             "with FSDP or a frozen-base task")
-        ep.apply(model)  # before .to(device): the new expert shards move with the model
-    model.to(device)
-    params = task.trainable(model)
-    if loop.fsdp:
-        state, optimizer, params, dcp_path = fsdp2.prepare_fsdp(model, task, loop, info, ckpt_path, resume)
-        note = check_record(state.get("record"), record, dcp_path, force) if state is not None else None
-        ddp_model = model
-    else:
-        dcp_path = None
-        state = contents.read(ckpt_path) if resume and ckpt_path.exists() else None
-        note = check_record(state.get("record"), record, ckpt_path, force) if state is not None else None
-        if state is not None:  # before DDP wraps the model (DDP broadcasts rank 0's weights)
-            contents.restore_model(model, ep.local_model_state(state, ckpt_path) if ep is not None else state,
-                                   ckpt_path)
-        ignore = contents.ddp_ignored(model) + (ep.ddp_ignored() if ep is not None else [])
-        ddp_model = wrap_ddp(model, info, device, ignore=ignore if info.enabled else ())
-        optimizer = task.make_optimizer(model)
-    start_step, elapsed0 = 0, 0.0
-    if state is not None:
-        if not loop.fsdp:
-            restore_optimizer(optimizer, ep.local_optimizer_state(state, model, optimizer, ckpt_path)
-                              if ep is not None else state, ckpt_path)
-        start_step, elapsed0 = int(state["step"]), float(state.get("elapsed_s", 0.0))
-        contents.restore_rng(state, device)
-    if main and out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+
+class _Run:
+    """One ``run_training`` call inside its process group: set-up (``start``), the steps (``train``) and
+    the end (``result``); the ``Parallelism`` of ``loop`` is chosen once, in ``start``."""
+
+    def __init__(self, model, task, loop, info, device, resume, record):
+        self.model, self.task, self.loop, self.info, self.device = model, task, loop, info, device
+        self.out = Path(loop.out_dir) if loop.out_dir else None
+        if resume and self.out is None:
+            raise ValueError("resume=True needs cfg.out_dir")
+        self.ckpt = RunCheckpoint(self.out / loop.ckpt_name if self.out else None, task.contents, task.config, record)
+        self.metrics_path = self.out / loop.metrics_name if self.out else None
+        self.main = info.is_main
+        self.losses: list[float] = []
+        self.step_seconds: list[float] = []
+        self.val_hist: list[tuple[int, float]] = []
+        self.train_loss = self.val_loss = None
+
+    def start(self, resume: bool, force: bool) -> None:
+        """Choose the parallelism, place the model, resume, prepare out_dir and announce the run."""
+        model, task, loop, info = self.model, self.task, self.loop, self.info
+        self.strategy = select_parallelism(loop, info, task.contents)
+        self.strategy.adapt(model)  # before .to(device): e.g. the new expert shards move with the model
+        model.to(self.device)
+        setup = self.strategy.prepare(model, task, task.trainable(model), loop, self.device, self.ckpt, resume, force)
+        self.train_model, self.optimizer, self.params, state = (setup.train_model, setup.optimizer, setup.params,
+                                                                setup.state)
+        self.start_step, self.elapsed0 = 0, 0.0
         if state is not None:
-            truncate_metrics(metrics_path, start_step)
-        elif metrics_path.exists():
-            metrics_path.unlink()
-        if loop.config_json:
-            write_text_atomic(out / "config.json", json.dumps({**task.config, "world_size": info.world_size}, indent=1))
-    barrier(info)
+            self.start_step, self.elapsed0 = int(state["step"]), float(state.get("elapsed_s", 0.0))
+            task.contents.restore_rng(state, self.device)
+        self._prepare_out_dir(state is not None)
+        barrier(info)
+        self.shown_ckpt = self.strategy.shown_path(self.ckpt.path)
+        self.bar = ProgressBar(loop.progress and self.main, loop.steps, self.start_step)
+        if self.main and state is not None:
+            self.bar.log(_resume_note(state, task, loop, info, self.shown_ckpt, self.start_step))
+            if setup.note:
+                self.bar.log(setup.note)
+        elif resume and self.main:
+            self.bar.log(f"no checkpoint in {self.out}; starting from scratch")
+        task.begin(self.start_step, info)
+        self.amp = autocast_context(loop.autocast, self.device)
+        self.tokens_per_step = loop.batch_tokens * loop.grad_accum * info.world_size
+        self.good_step = self.start_step if state is not None else None  # the step of the checkpoint on disk, if ours
 
-    bar = ProgressBar(loop.progress and main, loop.steps, start_step)
-    if main and state is not None:
-        bar.log(_resume_note(state, task, loop, info, dcp_path if loop.fsdp else ckpt_path, start_step))
-        if note:
-            bar.log(note)
-    elif resume and main:
-        bar.log(f"no checkpoint in {out}; starting from scratch")
-    task.begin(start_step, info)
+    def _prepare_out_dir(self, resumed: bool) -> None:
+        """Rank 0: out_dir made, the metrics file cut back to the resumed step (or removed), config.json."""
+        if not (self.main and self.out is not None):
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        if resumed:
+            truncate_metrics(self.metrics_path, self.start_step)
+        elif self.metrics_path.exists():
+            self.metrics_path.unlink()
+        if self.loop.config_json:
+            write_text_atomic(self.out / "config.json",
+                              json.dumps({**self.task.config, "world_size": self.info.world_size}, indent=1))
 
-    amp = autocast_context(loop.autocast, device)
-    tokens_per_step = loop.batch_tokens * loop.grad_accum * info.world_size
-    losses: list[float] = []
-    step_seconds: list[float] = []
-    val_hist: list[tuple[int, float]] = []
-    t0 = last_t = time.perf_counter()
-    last_step = start_step
-    good_step = start_step if state is not None else None  # the step of the checkpoint on disk, if ours
-    shown_ckpt = fsdp2.dcp_dir(ckpt_path) if loop.fsdp and ckpt_path is not None else ckpt_path
-    train_loss = val_loss = None
-    was_training = model.training
-    model.train(loop.train_mode)
-    try:
-        for step in range(start_step, loop.steps):
-            ts = time.perf_counter()
-            lr = task.lr(step)
-            if lr is not None:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-            seed = task.step_seed(step, info.rank)
-            if seed is not None:
-                torch.manual_seed(seed)
-            optimizer.zero_grad(set_to_none=True)
-            sums = None
-            for micro in range(loop.grad_accum):
-                with no_sync(ddp_model, sync=micro == loop.grad_accum - 1):
-                    with amp():
-                        loss, stats = task.loss(ddp_model, step, micro, info, device)
-                    (loss.float() / loop.grad_accum).backward()
-                sums = stats.detach() if sums is None else sums + stats.detach()
-            if ep is not None:
-                ep.finish_grads(model)  # experts' gradients / W (DDP averaged the others)
-            norm = fsdp2.clip_sharded(params, loop.grad_clip) if loop.fsdp else \
-                ep.clip(model, params, loop.grad_clip) if ep is not None else clip_gradients(params, loop.grad_clip)
-            means = all_reduce_mean(sums / loop.grad_accum, info).tolist()  # the same on every rank
-            if not (math.isfinite(means[0]) and math.isfinite(float(norm))):
-                what = (f"the loss is {means[0]}" if not math.isfinite(means[0])
-                        else f"the gradient norm is {float(norm)}")
-                raise _diverged(what, step + 1, shown_ckpt, good_step)
-            optimizer.step()
-            step_seconds.append(time.perf_counter() - ts)
-            train_loss = means[0]
-            losses.append(train_loss)
+    def _elapsed(self) -> float:
+        return self.elapsed0 + time.perf_counter() - self.t0
 
-            done = step + 1
-            last = done == loop.steps
-            val_loss = None
-            if loop.eval and (last or (loop.eval_interval and done % loop.eval_interval == 0)):
-                val_loss = task.evaluate(model, info, device, amp, loop.progress and main)
-                val_hist.append((done, val_loss))
-            if done % loop.log_interval == 0 or val_loss is not None or last:
-                now = time.perf_counter()
-                report = StepReport(step=done, steps=loop.steps, lr=lr, stats=means, grad_norm=float(norm),
-                                    val_loss=val_loss, tokens=done * tokens_per_step,
-                                    elapsed_s=round(elapsed0 + now - t0, 4),
-                                    tokens_per_s=round((done - last_step) * tokens_per_step / max(now - last_t, 1e-9),
-                                                       1))
-                last_t, last_step = now, done
-                if main and metrics_path is not None:
-                    append_metrics(metrics_path, task.metrics_row(report))
-                line = task.log_line(report, loop.progress) if main else None
-                if line:
-                    bar.log(line)
-            if out is not None and (last or (loop.ckpt_interval and done % loop.ckpt_interval == 0)):
-                if not _all_finite(params, info):
-                    raise _diverged("a trained tensor is not finite after the update", done, shown_ckpt, good_step)
-                if loop.fsdp:  # every rank writes its shards
-                    fsdp2.save_sharded(fsdp2.dcp_dir(ckpt_path), model, optimizer, fsdp2.run_meta(
-                        contents, done, task.config, info, elapsed0 + time.perf_counter() - t0, record), info,
-                        contents.trainable_only)
-                elif main or ep is not None:  # expert parallel: every rank sends its experts to the full state
-                    saved_model, saved_opt = ep.gathered(model, optimizer) if ep is not None else (model, optimizer)
-                    if main:
-                        contents.save(ckpt_path, saved_model, saved_opt, done, task.config,
-                                      world_size=info.world_size, elapsed_s=elapsed0 + time.perf_counter() - t0,
-                                      **({"record": record} if record is not None else {}))
-                barrier(info)
-                good_step = done
-            bar.update(**{"loss": f"{train_loss:.4f}", **({"lr": f"{lr:.2e}"} if lr is not None else {})})
-    finally:
-        bar.close()
-        model.train(was_training)
+    def train(self) -> None:
+        """The optimizer steps from ``start_step`` to ``loop.steps``: log rows, evaluations, checkpoints."""
+        loop, model = self.loop, self.model
+        self.t0 = self.last_t = time.perf_counter()
+        self.last_step = self.start_step
+        was_training = model.training
+        model.train(loop.train_mode)
+        try:
+            for step in range(self.start_step, loop.steps):
+                ts = time.perf_counter()
+                lr, means, norm = self._step(step)
+                self.step_seconds.append(time.perf_counter() - ts)
+                self.train_loss = means[0]
+                self.losses.append(self.train_loss)
+                done = step + 1
+                self._report(done, lr, means, norm)
+                if self.out is not None and (done == loop.steps or
+                                             (loop.ckpt_interval and done % loop.ckpt_interval == 0)):
+                    self._checkpoint(done)
+                self.bar.update(**{"loss": f"{self.train_loss:.4f}", **({"lr": f"{lr:.2e}"} if lr is not None else {})})
+        finally:
+            self.bar.close()
+            model.train(was_training)
 
-    if start_step >= loop.steps and loop.eval:  # nothing left to train: just report
-        val_loss = task.evaluate(model, info, device, amp, loop.progress and main)
-        val_hist.append((loop.steps, val_loss))
-    state_bytes = fsdp2.local_state_bytes(optimizer)
-    if loop.fsdp:  # back to the plain model; the final checkpoint gathered on rank 0 (as without --fsdp)
-        fsdp2.finish_fsdp(model, optimizer, contents, ckpt_path if out is not None and losses else None, info,
-                          {"step": max(loop.steps, start_step), "config": task.config, "world_size": info.world_size,
-                           "elapsed_s": elapsed0 + time.perf_counter() - t0,
-                           **({"record": record} if record is not None else {})})
-    plot_path = None
-    if main and out is not None and loop.plot_name:
-        plot_path = plot_run(out / loop.plot_name, metrics_path, loop.plot_label or out.name or "run", loop.plot_title)
-    steps = max(loop.steps, start_step)
-    return TrainResult(step=steps, start_step=start_step, final_train_loss=train_loss,
-                       final_val_loss=val_hist[-1][1] if val_hist else None, train_losses=losses,
-                       val_losses=val_hist, tokens=steps * tokens_per_step,
-                       elapsed_s=elapsed0 + time.perf_counter() - t0, metrics_path=metrics_path,
-                       checkpoint_path=ckpt_path if ckpt_path is not None and ckpt_path.exists() else None,
-                       plot_path=plot_path, step_seconds=step_seconds,
-                       trainable_params=sum(p.numel() for p in params), optimizer_state_bytes=state_bytes)
+    def _step(self, step: int) -> tuple[Optional[float], list[float], torch.Tensor]:
+        """One optimizer step (0-based ``step``): (its LR or None, the stats' mean over micro steps and
+        ranks, the gradient norm before clipping); TrainingDivergedError before the update when not finite."""
+        task, loop, optimizer, info = self.task, self.loop, self.optimizer, self.info
+        lr = task.lr(step)
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        seed = task.step_seed(step, info.rank)
+        if seed is not None:
+            torch.manual_seed(seed)
+        optimizer.zero_grad(set_to_none=True)
+        sums = None
+        for micro in range(loop.grad_accum):
+            with no_sync(self.train_model, sync=micro == loop.grad_accum - 1):
+                with self.amp():
+                    loss, stats = task.loss(self.train_model, step, micro, info, self.device)
+                (loss.float() / loop.grad_accum).backward()
+            sums = stats.detach() if sums is None else sums + stats.detach()
+        norm = self.strategy.clip(self.model, self.params, loop.grad_clip)
+        means = all_reduce_mean(sums / loop.grad_accum, info).tolist()  # the same on every rank
+        if not (math.isfinite(means[0]) and math.isfinite(float(norm))):
+            what = (f"the loss is {means[0]}" if not math.isfinite(means[0])
+                    else f"the gradient norm is {float(norm)}")
+            raise _diverged(what, step + 1, self.shown_ckpt, self.good_step)
+        optimizer.step()
+        return lr, means, norm
+
+    def _report(self, done: int, lr: Optional[float], means: list[float], norm: torch.Tensor) -> None:
+        """After step ``done`` (1-based): the evaluation, metrics row and log line it is due."""
+        loop, main = self.loop, self.main
+        last = done == loop.steps
+        self.val_loss = None
+        if loop.eval and (last or (loop.eval_interval and done % loop.eval_interval == 0)):
+            self.val_loss = self.task.evaluate(self.model, self.info, self.device, self.amp, loop.progress and main)
+            self.val_hist.append((done, self.val_loss))
+        if not (done % loop.log_interval == 0 or self.val_loss is not None or last):
+            return
+        now = time.perf_counter()
+        report = StepReport(step=done, steps=loop.steps, lr=lr, stats=means, grad_norm=float(norm),
+                            val_loss=self.val_loss, tokens=done * self.tokens_per_step,
+                            elapsed_s=round(self.elapsed0 + now - self.t0, 4),
+                            tokens_per_s=round((done - self.last_step) * self.tokens_per_step
+                                               / max(now - self.last_t, 1e-9), 1))
+        self.last_t, self.last_step = now, done
+        if main and self.metrics_path is not None:
+            append_metrics(self.metrics_path, self.task.metrics_row(report))
+        line = self.task.log_line(report, loop.progress) if main else None
+        if line:
+            self.bar.log(line)
+
+    def _checkpoint(self, done: int) -> None:
+        """The checkpoint of step ``done`` (collective), refused when a trained tensor is not finite."""
+        if not _all_finite(self.params, self.info):
+            raise _diverged("a trained tensor is not finite after the update", done, self.shown_ckpt, self.good_step)
+        self.strategy.save(self.ckpt, self.model, self.optimizer, done, self._elapsed)
+        barrier(self.info)
+        self.good_step = done
+
+    def result(self) -> TrainResult:
+        """End of the run (the parallelism's own end, the plot) and what it did."""
+        loop, main, out = self.loop, self.main, self.out
+        if self.start_step >= loop.steps and loop.eval:  # nothing left to train: just report
+            self.val_loss = self.task.evaluate(self.model, self.info, self.device, self.amp, loop.progress and main)
+            self.val_hist.append((loop.steps, self.val_loss))
+        state_bytes = local_state_bytes(self.optimizer)
+        steps = max(loop.steps, self.start_step)
+        self.strategy.finish(self.model, self.optimizer, self.ckpt, steps, self._elapsed, trained=bool(self.losses))
+        plot_path = None
+        if main and out is not None and loop.plot_name:
+            plot_path = plot_run(out / loop.plot_name, self.metrics_path, loop.plot_label or out.name or "run",
+                                 loop.plot_title)
+        ckpt_path = self.ckpt.path
+        return TrainResult(step=steps, start_step=self.start_step, final_train_loss=self.train_loss,
+                           final_val_loss=self.val_hist[-1][1] if self.val_hist else None, train_losses=self.losses,
+                           val_losses=self.val_hist, tokens=steps * self.tokens_per_step,
+                           elapsed_s=self._elapsed(), metrics_path=self.metrics_path,
+                           checkpoint_path=ckpt_path if ckpt_path is not None and ckpt_path.exists() else None,
+                           plot_path=plot_path, step_seconds=self.step_seconds,
+                           trainable_params=sum(p.numel() for p in self.params), optimizer_state_bytes=state_bytes)
 
 
 __all__ = ["LoopConfig", "StepReport", "TrainResult", "TrainingDivergedError", "TrainingTask", "run_training"]

@@ -112,25 +112,25 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-@functools.cache
-def torchtitan_classes():
-    """(BlockscaleConverter, BlockscaleLinear, blockscale_experts_class) built on torchtitan's classes;
-    ImportError without torchtitan."""
-    from torchtitan.components.quantization import QuantizationConverter
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import GroupedExperts
+class _RecipeFromConfig:
+    """Base of the converted torchtitan modules (before the torchtitan class): keeps the config's
+    ``recipe`` and ``recipe_name``; ``generator`` None (stochastic rounding draws from the global RNG)."""
 
-    class BlockscaleLinear(Linear):
+    def __init__(self, config):
+        super().__init__(config)
+        self.recipe, self.recipe_name, self.generator = config.recipe, config.recipe_name, None
+
+
+def _linear_class(Linear: type) -> type:
+    """BlockscaleLinear: a subclass of torchtitan's ``Linear`` whose forward is the config's recipe."""
+
+    class BlockscaleLinear(_RecipeFromConfig, Linear):
         """A torchtitan Linear computing ``quantized_linear(x, weight, bias, recipe)``."""
 
         @dataclass(kw_only=True, slots=True)
         class Config(Linear.Config):
             recipe: LinearRecipe = field(default_factory=LinearRecipe)
             recipe_name: str = ""
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.recipe, self.recipe_name, self.generator = config.recipe, config.recipe_name, None
 
         def forward(self, x):
             bias = None if self.bias is None else _local(self.bias)
@@ -139,30 +139,42 @@ def torchtitan_classes():
         def extra_repr(self) -> str:
             return f"{super().extra_repr()}, recipe={self.recipe_name}"
 
-    cache: dict = {}
+    return BlockscaleLinear
 
-    def experts_class(parent_cls: type) -> type:
-        """A subclass of the experts class ``parent_cls`` (GroupedExperts or a subclass) whose forward is
-        ``grouped_swiglu`` with the config's recipe."""
-        if parent_cls not in cache:
-            class BlockscaleExperts(parent_cls):
-                @dataclass(kw_only=True, slots=True)
-                class Config(parent_cls.Config):
-                    recipe: LinearRecipe = field(default_factory=LinearRecipe)
-                    recipe_name: str = ""
 
-                def __init__(self, config):
-                    super().__init__(config)
-                    self.recipe, self.recipe_name, self.generator = config.recipe, config.recipe_name, None
+@functools.cache
+def _experts_class(parent_cls: type) -> type:
+    """A subclass of the experts class ``parent_cls`` (GroupedExperts or a subclass) whose forward is
+    ``grouped_swiglu`` with the config's recipe (one class per ``parent_cls``)."""
 
-                def forward(self, x_RD, num_tokens_per_expert_E):
-                    out = grouped_swiglu(x_RD, num_tokens_per_expert_E, _local(self.w1_EFD), _local(self.w2_EDF),
-                                         _local(self.w3_EFD), self.recipe, self.generator)
-                    return out.type_as(x_RD)
+    class BlockscaleExperts(_RecipeFromConfig, parent_cls):
+        @dataclass(kw_only=True, slots=True)
+        class Config(parent_cls.Config):
+            recipe: LinearRecipe = field(default_factory=LinearRecipe)
+            recipe_name: str = ""
 
-            BlockscaleExperts.__name__ = BlockscaleExperts.__qualname__ = f"Blockscale{parent_cls.__name__}"
-            cache[parent_cls] = BlockscaleExperts
-        return cache[parent_cls]
+        def forward(self, x_RD, num_tokens_per_expert_E):
+            out = grouped_swiglu(x_RD, num_tokens_per_expert_E, _local(self.w1_EFD), _local(self.w2_EDF),
+                                 _local(self.w3_EFD), self.recipe, self.generator)
+            return out.type_as(x_RD)
+
+    BlockscaleExperts.__name__ = BlockscaleExperts.__qualname__ = f"Blockscale{parent_cls.__name__}"
+    return BlockscaleExperts
+
+
+def _converted_config(cfg, use: Recipe, is_experts: bool, linear_cls: type):
+    """The config replacing ``cfg`` (a routed-experts or a Linear config) for the recipe ``use``."""
+    if is_experts:
+        return _experts_class(type(cfg)._owner).Config(
+            **{f.name: getattr(cfg, f.name) for f in fields(cfg)}, recipe=use.linear, recipe_name=use.name)
+    return linear_cls.Config(in_features=cfg.in_features, out_features=cfg.out_features, bias=cfg.bias,
+                             param_init=cfg.param_init, sharding_config=cfg.sharding_config, recipe=use.linear,
+                             recipe_name=use.name)
+
+
+def _converter_class(QuantizationConverter: type, Linear: type, GroupedExperts: type, linear_cls: type) -> type:
+    """BlockscaleConverter: a torchtitan ``QuantizationConverter`` swapping the configs of ``Linear`` and
+    ``GroupedExperts`` by ``conversion_plan``."""
 
     class BlockscaleConverter(QuantizationConverter):
         """torchtitan model converter applying a blockscale training recipe (see the module docstring)."""
@@ -192,14 +204,7 @@ def torchtitan_classes():
                                    self.config.filter_fqns)
             for fqn, use in plan.items():
                 cfg, parent, attr = linears.get(fqn) or experts[fqn]
-                if fqn in experts:
-                    new = experts_class(type(cfg)._owner).Config(
-                        **{f.name: getattr(cfg, f.name) for f in fields(cfg)}, recipe=use.linear, recipe_name=use.name)
-                else:
-                    new = BlockscaleLinear.Config(in_features=cfg.in_features, out_features=cfg.out_features,
-                                                  bias=cfg.bias, param_init=cfg.param_init,
-                                                  sharding_config=cfg.sharding_config, recipe=use.linear,
-                                                  recipe_name=use.name)
+                new = _converted_config(cfg, use, fqn in experts, linear_cls)
                 if parent is None:
                     model_config = new
                 elif isinstance(parent, list):
@@ -213,7 +218,19 @@ def torchtitan_classes():
             """Nothing to refresh after an optimizer step: operands are quantized from the master weights
             at every forward (unlike float8's FSDP amax precompute)."""
 
-    return BlockscaleConverter, BlockscaleLinear, experts_class
+    return BlockscaleConverter
+
+
+@functools.cache
+def torchtitan_classes():
+    """(BlockscaleConverter, BlockscaleLinear, blockscale_experts_class) built on torchtitan's classes;
+    ImportError without torchtitan."""
+    from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts
+
+    linear_cls = _linear_class(Linear)
+    return _converter_class(QuantizationConverter, Linear, GroupedExperts, linear_cls), linear_cls, _experts_class
 
 
 def blockscale_converter_config(recipe: str = "nvfp4-nvidia", experts_only: bool = False, filter_fqns=(),

@@ -5,7 +5,9 @@ output): per-input-channel scales ``s = x_mean^alpha / w_mean^(1-alpha)``, one e
 smoothing group chosen by a grid search of the measured quantized output error (``awq_search``), folded
 into the preceding norm / linear (the full-precision function is unchanged); then the weights are RTN.
 The error of a candidate is measured with the group's PTQ scheme (its weight format and shared scale,
-its activation quantizer), so an FP8 or MX group searches against FP8 / MX rounding.
+its activation quantizer), so an FP8 or MX group searches against FP8 / MX rounding. Each search is
+checked arguments -> statistics and quantizers -> one error function of s (``awq_error``) -> the grid
+(``_grid_search``: every alpha scored, the least error kept).
 
 MoE layers (``ptq.smoothing.moe``, ``awq_search_parts``): one scale vector per group as well, its error
 the sum over the quantized consumers of ||Q(W s) (x / s) - W x||^2 on each consumer's own inputs (expert
@@ -24,13 +26,14 @@ from typing import Optional, Sequence
 import torch
 
 from ...quant import NVFP4, fake_quantize
-from ...quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale, shared_outer_scale
+from ...quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale
 from ..options import check_options, option
 from ..protocol import PTQMethod, QuantizedWeight
-from ..scheme_quantize import group_weight_scale, input_quantizer, rtn_quantize
+from ..scheme_quantize import input_quantizer, rtn_quantize
 from ..smoothing import FLOAT_DTYPES, check_smoothable, check_weights, smooth_layer
 from ..statistics import StatisticsRequest
 from .awq_clip import awq_clip_search, clip_supported, subsample_rows
+from .awq_error import group_error, part_input, parts_error, scheme_quantizers
 
 # smoothing scales are kept in [S_MIN, S_MAX]: W * s and x / s then stay far from FP32 / BF16 limits
 S_MIN, S_MAX = 1e-4, 1e4
@@ -96,9 +99,65 @@ def _weight_mean(W: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, a / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(a)).mean(0)
 
 
-# tokens x outputs per matmul chunk, and the largest reference output cached between candidates
-_CHUNK_ELEMS = 1 << 24
-_CACHE_ELEMS = 1 << 26
+def _check_grid(fn: str, n_grid, max_tokens) -> None:
+    for name, value in (("n_grid", n_grid), ("max_tokens", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{fn}: {name}={value!r} must be an int >= 1")
+
+
+def _resolve_scheme(fn: str, spec, act_scale_rule, scheme):
+    """(spec, act_scale_rule, scheme) of ``awq_search``, checked; an NVFP4 scheme becomes its spec and
+    act_scale_rule (scheme None), so it is the same search."""
+    if scheme is not None:
+        if spec is not None or act_scale_rule is not None:
+            raise ValueError(f"{fn}: pass either scheme or spec / act_scale_rule, not both")
+        if scheme.is_high_precision:
+            raise ValueError(f"{fn}: scheme {scheme.name!r} keeps the weights in high precision: nothing to search")
+        if isinstance(scheme.weight_spec, NVFP4):
+            spec = scheme.weight_spec
+            act_scale_rule = scheme.act_scale_rule if scheme.static_activations else None
+            scheme = None
+    if scheme is None and not isinstance(spec, NVFP4):
+        raise TypeError(f"{fn}: spec must be a blockscale.quant.NVFP4, got {type(spec).__name__} "
+                        "(AWQ with an NVFP4 spec; pass scheme=... for FP8 / MX)")
+    if scheme is None and spec.rounding != "nearest":
+        raise ValueError(f"{fn}: spec.rounding={spec.rounding!r}; the search needs deterministic rounding "
+                         "(rounding='nearest')")
+    if act_scale_rule is not None and act_scale_rule not in INPUT_SCALE_RULES:
+        raise ValueError(f"{fn}: act_scale_rule={act_scale_rule!r}; allowed: None (W4A16), "
+                         + ", ".join(map(repr, INPUT_SCALE_RULES)))
+    return spec, act_scale_rule, scheme
+
+
+def _checked_tokens(fn: str, x, weights):
+    """(x as [tokens, K], the checked weights) of ``awq_search``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{fn}: x has dtype {x.dtype}; expected a floating tensor")
+    if x.dim() < 2:
+        raise ValueError(f"{fn}: x has shape {tuple(x.shape)}; expected [tokens, K] (or [..., K])")
+    K = x.shape[-1]
+    ws = check_weights(weights, K, fn)
+    x2 = x.detach().reshape(-1, K)
+    if x2.shape[0] == 0 or K == 0:
+        raise ValueError(f"{fn}: x has shape {tuple(x.shape)}; need at least one token and one channel")
+    if not bool(torch.isfinite(x2).all()):
+        raise ValueError(f"{fn}: x contains NaN/inf")
+    return x2, ws
+
+
+def _grid_search(x_mean, w_mean, n_grid: int, dev, error_of) -> AWQResult:
+    """The grid alphas i / n_grid, each candidate ``awq_scales`` scored by ``error_of``; the least error
+    wins (ties: the smaller alpha)."""
+    errors, cands = [], []
+    for i in range(n_grid):
+        s = awq_scales(x_mean, w_mean, i / n_grid).to(dev)
+        cands.append(s)
+        errors.append(error_of(s))
+    best = min(range(n_grid), key=lambda i: (errors[i], i))
+    return AWQResult(scales=cands[best], alpha=best / n_grid, error=errors[best], baseline_error=errors[0],
+                     errors=tuple(errors))
 
 
 def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: Optional[NVFP4], *,
@@ -132,139 +191,49 @@ def awq_search(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: Optional[
     the least error wins (ties: the smaller alpha), so ``error <= baseline_error`` always.
     """
     fn = "awq_search"
-    if scheme is not None:
-        if spec is not None or act_scale_rule is not None:
-            raise ValueError(f"{fn}: pass either scheme or spec / act_scale_rule, not both")
-        if scheme.family == "none":
-            raise ValueError(f"{fn}: scheme {scheme.name!r} keeps the weights in high precision: nothing to search")
-        if scheme.family == "nvfp4":
-            spec = scheme.weight_spec
-            act_scale_rule = scheme.act_scale_rule if scheme.name == "nvfp4-w4a4" else None
-            scheme = None
-    if scheme is None and not isinstance(spec, NVFP4):
-        raise TypeError(f"{fn}: spec must be a blockscale.quant.NVFP4, got {type(spec).__name__} "
-                        "(AWQ with an NVFP4 spec; pass scheme=... for FP8 / MX)")
-    if scheme is None and spec.rounding != "nearest":
-        raise ValueError(f"{fn}: spec.rounding={spec.rounding!r}; the search needs deterministic rounding "
-                         "(rounding='nearest')")
-    if act_scale_rule is not None and act_scale_rule not in INPUT_SCALE_RULES:
-        raise ValueError(f"{fn}: act_scale_rule={act_scale_rule!r}; allowed: None (W4A16), "
-                         + ", ".join(map(repr, INPUT_SCALE_RULES)))
-    for name, value in (("n_grid", n_grid), ("max_tokens", max_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{fn}: {name}={value!r} must be an int >= 1")
+    spec, act_scale_rule, scheme = _resolve_scheme(fn, spec, act_scale_rule, scheme)
+    _check_grid(fn, n_grid, max_tokens)
     if not isinstance(duo_scaling, bool):
         raise ValueError(f"{fn}: duo_scaling={duo_scaling!r}: expected True or False")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{fn}: x has dtype {x.dtype}; expected a floating tensor")
-    if x.dim() < 2:
-        raise ValueError(f"{fn}: x has shape {tuple(x.shape)}; expected [tokens, K] (or [..., K])")
-    K = x.shape[-1]
-    ws = check_weights(weights, K, fn)
-    x2 = x.detach().reshape(-1, K)
-    if x2.shape[0] == 0 or K == 0:
-        raise ValueError(f"{fn}: x has shape {tuple(x.shape)}; need at least one token and one channel")
-    if not bool(torch.isfinite(x2).all()):
-        raise ValueError(f"{fn}: x contains NaN/inf")
+    x2, ws = _checked_tokens(fn, x, weights)
     dev = x2.device
-
     # statistics over every token (cheap), error on a deterministic subsample
     x_mean = x2.abs().float().mean(0)
     x_absmax = x2.abs().amax(0).float()
     xs = subsample_rows(x2, max_tokens).float()
-    T = xs.shape[0]
     ws = [w.to(dev) for w in ws]
     W = torch.cat([w.float() for w in ws], 0)  # [N, K] reference weights
-    N = W.shape[0]
     w_mean = _weight_mean(W) if duo_scaling else None
-    if scheme is None:  # NVFP4 spec: weights with the group's outer scale, W4A4 activations
-        act_spec = None if act_scale_rule is None else NVFP4(scale_rule=act_scale_rule)
-
-        def quantize_weights(Wp):
-            S = shared_outer_scale(Wp, spec.outer_bound)
-            return torch.cat([fake_quantize(w, spec, encode_scale=S, dtype=torch.float32) if w.numel()
-                              else w.float() for w in Wp], 0)
-
-        def act_quantizer(s):
-            a_enc = input_encode_scale(float((x_absmax / s).max()), act_scale_rule).to(dev)
-            return lambda xc: fake_quantize(xc, act_spec, encode_scale=a_enc, check_finite=False)
-    else:  # any scheme: as PTQ quantizes the group
-        wspec = scheme.weight_spec
-        act_spec = True if scheme.quantizes_activations else None
-
-        def quantize_weights(Wp):
-            S = group_weight_scale(scheme, Wp)
-            return torch.cat([rtn_quantize(w, wspec, S).dequantize(torch.float32) if w.numel()
-                              else w.float() for w in Wp], 0)
-
-        def act_quantizer(s):
-            return input_quantizer(scheme, float((x_absmax / s).max()))
-
-    if act_spec is None:
-        # ||x F^T||^2 = ||R F^T||^2 with x = QR: one QR of the tokens, then a [min(T,K), K] x [K, N]
-        # product per candidate, a sum of squares (no cancellation)
-        R = torch.linalg.qr(xs, mode="r").R if T > K else xs
-        Y = None
-    else:
-        R = None
-        Y = xs @ W.T if T * N <= _CACHE_ELEMS else None
-    rows_per_chunk = max(1, _CHUNK_ELEMS // max(1, N))
-
-    def error_of(s: torch.Tensor) -> float:
-        Wp = [(w.float() * s).to(w.dtype) for w in ws]
-        Q = quantize_weights(Wp)
-        if act_spec is None:
-            F = Q / s - W  # effective weight error in the original coordinates: X'Q^T - xW^T = x F^T
-            total = 0.0
-            for r0 in range(0, R.shape[0], rows_per_chunk):
-                total += float((R[r0:r0 + rows_per_chunk] @ F.T).square().sum(dtype=torch.float64))
-            return total / (T * N)
-        aq = act_quantizer(s)
-        total = 0.0
-        for r0 in range(0, T, rows_per_chunk):
-            xc = xs[r0:r0 + rows_per_chunk]
-            xq = aq(xc / s)
-            ref = Y[r0:r0 + rows_per_chunk] if Y is not None else xc @ W.T
-            diff = torch.addmm(ref, xq, Q.T, beta=-1.0)  # xq Q^T - x W^T
-            total += float(diff.square().sum(dtype=torch.float64))
-        return total / (T * N)
-
-    errors, cands = [], []
-    for i in range(n_grid):
-        alpha = i / n_grid
-        s = awq_scales(x_mean, w_mean, alpha).to(dev)
-        cands.append(s)
-        errors.append(error_of(s))
-    best = min(range(n_grid), key=lambda i: (errors[i], i))
-    return AWQResult(scales=cands[best], alpha=best / n_grid, error=errors[best], baseline_error=errors[0],
-                     errors=tuple(errors))
+    # weights as PTQ quantizes the group (an NVFP4 spec: with the group's outer scale), activations for W4A4
+    qw, aq = scheme_quantizers(scheme, spec, act_scale_rule)
+    quantizes_acts = act_scale_rule is not None if scheme is None else scheme.quantizes_activations
+    error_of = group_error(xs, ws, W, qw, aq if quantizes_acts else None, x_absmax)
+    return _grid_search(x_mean, w_mean, n_grid, dev, error_of)
 
 
-def _part_quantizers(scheme, spec: Optional[NVFP4], act_scale_rule: Optional[str]):
-    """(weights W'_i sharing one scale -> their FP32 fake-quantized values, input amax -> the activation
-    quantizer or None) for a ``recipes.Scheme``, or for the flat NVFP4 ``spec`` / ``act_scale_rule``."""
-    if scheme is None:
-        act_spec = None if act_scale_rule is None else NVFP4(scale_rule=act_scale_rule)
-
-        def qw(Wp):
-            S = shared_outer_scale(Wp, spec.outer_bound)
-            return [fake_quantize(w, spec, encode_scale=S, dtype=torch.float32) if w.numel() else w.float()
-                    for w in Wp]
-
-        def aq(amax):
-            if act_spec is None:
-                return None
-            enc = input_encode_scale(amax, act_scale_rule)
-            return lambda xc: fake_quantize(xc, act_spec, encode_scale=enc.to(xc.device), check_finite=False)
-        return qw, aq
-    wspec = scheme.weight_spec
-
-    def qw(Wp):
-        S = group_weight_scale(scheme, Wp)
-        return [rtn_quantize(w, wspec, S).dequantize(torch.float32) if w.numel() else w.float() for w in Wp]
-    return qw, lambda amax: input_quantizer(scheme, amax)
+def _prepare_parts(parts, spec, act_scale_rule, max_tokens: int, fn: str):
+    """([(qw, aq, entries) per part], x_mean, the FP32 weights of every input, device) of
+    ``awq_search_parts``."""
+    prepared, means, n_rows, all_w, K, dev = [], None, 0, [], None, None
+    for scheme, inputs in parts:
+        if scheme is None and not isinstance(spec, NVFP4):
+            raise TypeError(f"{fn}: a part without a scheme needs spec=NVFP4(...), got {type(spec).__name__}")
+        qw, aq = scheme_quantizers(scheme, spec, act_scale_rule)
+        entries = []
+        for inp in inputs:
+            x = inp[0]
+            if K is None:
+                K, dev = x.shape[-1], x.device
+            e, row_sum, n = part_input(x, inp[1], inp[2] if len(inp) > 2 else None, K, dev, aq, max_tokens, fn)
+            all_w.append(e["W"])
+            if row_sum is not None:
+                means = row_sum if means is None else means + row_sum
+                n_rows += n
+            entries.append(e)
+        prepared.append((qw, aq, entries))
+    if n_rows == 0:
+        raise ValueError(f"{fn}: no input has a calibration token")
+    return prepared, (means / n_rows).float(), all_w, dev
 
 
 def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Optional[str] = None,
@@ -290,83 +259,14 @@ def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Opt
     ``error <= baseline_error`` (s = 1: round to nearest).
     """
     fn = "awq_search_parts"
-    for name, value in (("n_grid", n_grid), ("max_tokens", max_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{fn}: {name}={value!r} must be an int >= 1")
+    _check_grid(fn, n_grid, max_tokens)
     parts = list(parts)
     if not parts:
         raise ValueError(f"{fn}: parts is empty")
-    prepared, means, n_rows, all_w, K, dev = [], None, 0, [], None, None
-    for scheme, inputs in parts:
-        if scheme is None and not isinstance(spec, NVFP4):
-            raise TypeError(f"{fn}: a part without a scheme needs spec=NVFP4(...), got {type(spec).__name__}")
-        qw, aq = _part_quantizers(scheme, spec, act_scale_rule)
-        entries = []
-        for inp in inputs:
-            x, weights = inp[0], inp[1]
-            post = inp[2] if len(inp) > 2 else None
-            if K is None:
-                K, dev = x.shape[-1], x.device
-            ws = [w.to(dev) for w in check_weights(weights, K, fn)]
-            x2 = x.detach().reshape(-1, K).to(dev)
-            if x2.shape[0] and not bool(torch.isfinite(x2).all()):
-                raise ValueError(f"{fn}: x contains NaN/inf")
-            W = torch.cat([w.float() for w in ws], 0)
-            all_w.append(W)
-            xs = subsample_rows(x2, max_tokens).float()
-            T = xs.shape[0]
-            if x2.shape[0]:
-                a = x2.abs().double().sum(0)
-                means = a if means is None else means + a
-                n_rows += x2.shape[0]
-            lin = aq(1.0) is None and post is None
-            R = (torch.linalg.qr(xs, mode="r").R if T > K else xs) if lin and T else None
-            Y = post(xs @ W.T) if post is not None and T else None  # reference outputs [T, M]
-            entries.append(dict(ws=ws, W=W, xs=xs, T=T, R=R, lin=lin, amax=x2.abs().amax(0).float() if T else None,
-                                post=post, Y=Y, width=Y.shape[1] if Y is not None else W.shape[0]))
-        prepared.append((qw, aq, entries))
-    if n_rows == 0:
-        raise ValueError(f"{fn}: no input has a calibration token")
-    x_mean = (means / n_rows).float()
+    prepared, x_mean, all_w, dev = _prepare_parts(parts, spec, act_scale_rule, max_tokens, fn)
     w_mean = _weight_mean(torch.cat(all_w, 0)) if duo_scaling else None
     count = sum(e["T"] * e["width"] for _, _, es in prepared for e in es)
-
-    def error_of(s: torch.Tensor) -> float:
-        total = 0.0
-        for qw, aq, entries in prepared:
-            flat = [w for e in entries for w in e["ws"]]
-            Q = qw([(w.float() * s).to(w.dtype) for w in flat])
-            i = 0
-            for e in entries:
-                Qe = torch.cat(Q[i:i + len(e["ws"])], 0)
-                i += len(e["ws"])
-                if not e["T"]:
-                    continue
-                rows = max(1, _CHUNK_ELEMS // max(1, e["W"].shape[0]))
-                if e["lin"]:
-                    F = Qe / s - e["W"]  # x / s Q^T - x W^T = x F^T
-                    for r0 in range(0, e["R"].shape[0], rows):
-                        total += float((e["R"][r0:r0 + rows] @ F.T).square().sum(dtype=torch.float64))
-                    continue
-                q = aq(float((e["amax"] / s).max()))
-                for r0 in range(0, e["T"], rows):
-                    xc = e["xs"][r0:r0 + rows]
-                    xq = q(xc / s) if q is not None else xc / s
-                    if e["post"] is not None:
-                        diff = e["post"](xq @ Qe.T) - e["Y"][r0:r0 + rows]
-                    else:
-                        diff = torch.addmm(xc @ e["W"].T, xq, Qe.T, beta=-1.0)
-                    total += float(diff.square().sum(dtype=torch.float64))
-        return total / max(1, count)
-
-    errors, cands = [], []
-    for i in range(n_grid):
-        s = awq_scales(x_mean, w_mean, i / n_grid).to(dev)
-        cands.append(s)
-        errors.append(error_of(s))
-    best = min(range(n_grid), key=lambda i: (errors[i], i))
-    return AWQResult(scales=cands[best], alpha=best / n_grid, error=errors[best], baseline_error=errors[0],
-                     errors=tuple(errors))
+    return _grid_search(x_mean, w_mean, n_grid, dev, parts_error(prepared, count))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
 """
 from ...formats.fp8 import FP8_DTYPES, FP8_FORMATS
 from ..registry import Format, register
-from .quantize import dequantize_mx, quantize_mx, quantize_mx_blocks
+from .quantize import dequantize_mx, encode_elements, quantize_mx, quantize_mx_blocks, stored_codes
 from .scales import BLOCK, block_exponent, element_limit
 from .spec import MX, MX_ELEMENTS, MX_SCALE_RULES
 from .storage import CODE_DTYPES, mx_layout
@@ -30,5 +30,5 @@ MX_FORMAT = register(Format(
 ))
 
 __all__ = ["BLOCK", "CODE_DTYPES", "FP8_DTYPES", "FP8_FORMATS", "MX", "MX_ELEMENTS", "MX_FORMAT", "MX_SCALE_RULES",
-           "block_exponent", "dequantize_mx", "element_limit", "mx_layout", "quantize_mx",
-           "quantize_mx_blocks"]
+           "block_exponent", "dequantize_mx", "element_limit", "encode_elements", "mx_layout", "quantize_mx",
+           "quantize_mx_blocks", "stored_codes"]

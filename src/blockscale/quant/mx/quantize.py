@@ -30,6 +30,22 @@ from ..tensor import QuantizedTensor
 from .scales import BLOCK, block_exponent, element_limit
 from .spec import MX
 
+def encode_elements(scaled, element: str, rounding: str, rand, sr_mode: str, limit):
+    """Scaled values -> (element codes of the same shape, unpacked: uint8 E2M1 or float8 values; their FP32
+    values), each rounded to ``element`` within ``limit`` (``element_limit``; None: the element's max)."""
+    if element == "e2m1":
+        c = encode_e2m1(scaled, rounding, rand, sr_mode, limit)
+        return c, decode_e2m1(c)
+    v = round_fp8(scaled, FP8_FORMATS[element], rounding, rand, sr_mode, limit)
+    return v.to(FP8_DTYPES[element]), v
+
+
+def stored_codes(c, element: str):
+    """Element codes [R, n] (``encode_elements``) as an MX tensor stores them: E2M1 packed two per byte
+    [R, n/2] (element 2i in the low nibble), float8 codes as they are."""
+    return pack_nibbles(c) if element == "e2m1" else c
+
+
 def quantize_mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode: str, outputs: str = "codes"):
     """Blocks [R, nb, 32] -> (codes [R, nb*32] float8, or [R, nb*16] packed uint8 for e2m1; b [R, nb]
     uint8; dequantized FP32 values [R, nb*32] when ``outputs`` is "values" or "both")."""
@@ -41,15 +57,9 @@ def quantize_mx_blocks(xb, rand, element: str, rule: str, rounding: str, sr_mode
     limit = element_limit(k, element) if rule == "ceil" else None  # "floor": k <= 127 - emax_elem
     r = xb.shape[0]
     codes = values = None
-    if element == "e2m1":
-        c = encode_e2m1(scaled, rounding, rand, sr_mode, limit)
-        if outputs != "values":
-            codes = pack_nibbles(c.reshape(r, -1))
-        v = decode_e2m1(c)
-    else:
-        v = round_fp8(scaled, FP8_FORMATS[element], rounding, rand, sr_mode, limit)
-        if outputs != "values":
-            codes = v.to(FP8_DTYPES[element]).reshape(r, -1)
+    c, v = encode_elements(scaled, element, rounding, rand, sr_mode, limit)
+    if outputs != "values":
+        codes = stored_codes(c.reshape(r, -1), element)
     if outputs != "codes":
         values = (v * decode_ue8m0(encode_ue8m0(k))).reshape(r, -1)
     return codes, encode_ue8m0(k.squeeze(-1)), values
@@ -201,4 +211,4 @@ def dequantize_mx(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> tor
     return out.reshape(shape)
 
 
-__all__ = ["dequantize_mx", "quantize_mx", "quantize_mx_blocks"]
+__all__ = ["dequantize_mx", "encode_elements", "quantize_mx", "quantize_mx_blocks", "stored_codes"]

@@ -27,13 +27,12 @@ import time
 
 import torch
 
-from ....formats.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles
-from ....formats.fp8 import FP8_DTYPES, FP8_FORMATS, round_fp8
+from ....formats.fp8 import FP8_DTYPES
 from ....formats.minifloat import mul_pow2
 from ....formats.ue8m0 import decode_ue8m0, encode_ue8m0
 from ....quant import FP8, MX, QuantizedTensor, quantize
 from ....quant.fp8 import encode_with_scale
-from ....quant.mx import element_limit
+from ....quant.mx import element_limit, encode_elements, stored_codes
 from .algorithm import _hessian_factor
 from .options import GPTQOptions
 
@@ -98,12 +97,7 @@ def _mx_values(x: torch.Tensor, k: torch.Tensor, spec: MX):
     or float8 codes, and the FP32 values ``v * 2**k`` (quant.mx's elementwise operations)."""
     scaled = mul_pow2(x, -k)
     limit = element_limit(k, spec.element) if spec.scale_rule == "ceil" else None
-    if spec.element == "e2m1":
-        c = encode_e2m1(scaled, "nearest", None, "hardware", limit)
-        v = decode_e2m1(c)
-    else:
-        v = round_fp8(scaled, FP8_FORMATS[spec.element], "nearest", None, "hardware", limit)
-        c = v.to(FP8_DTYPES[spec.element])
+    c, v = encode_elements(scaled, spec.element, "nearest", None, "hardware", limit)
     return c, v * decode_ue8m0(encode_ue8m0(k))
 
 
@@ -196,7 +190,7 @@ def gptq_fixed_grid(weight: torch.Tensor, H: torch.Tensor, spec, shared_scale=No
         E, P = E[:, inv], P[:, inv]
     if mx:
         c, _ = _mx_values(P.view(N, K // G, G), k_all.unsqueeze(-1), spec)
-        codes = pack_nibbles(c.reshape(N, K)) if spec.element == "e2m1" else c.reshape(N, K)
+        codes = stored_codes(c.reshape(N, K), spec.element)
         q = QuantizedTensor(spec=spec, codes=codes, scales=encode_ue8m0(k_all), shape=weight.shape, dtype=weight.dtype)
     else:
         s_full = _fp8_columns(scales, spec, N, K)

@@ -1,0 +1,158 @@
+"""Scale learning after PTQ as library calls (what ``blockscale learn-scales`` runs under its flags):
+``quantize_student`` (a PTQ-quantized copy of a model and the latent weights its LSQ layers start from, so
+that step 0 is the PTQ model bit for bit) and ``recover`` (make the student's block scales trainable, measure,
+distill from the teacher, measure again, freeze).
+
+    qs = lsq.quantize_student(lm.model, lm.tokenizer, PTQConfig(), calib_text)
+    result = lsq.recover(qs.model, lm.model, tokens, lsq.RecoveryConfig(lsq.recovery_distill_config(50)),
+                         weights=qs.weights, evaluate=lsq.perplexity_evaluator(lm.tokenizer, eval_text, 256))
+    export_checkpoint(qs.model, out, tokenizer=lm.tokenizer.hf)
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from ..ptq import PTQConfig, PTQReport
+from ..ptq.pipeline import calibrate_and_quantize, evaluate_ppl, record_dict
+from ..train.distributed import env_world
+from .distill import DistillConfig, distill
+from .enable import enable, exact_latent_weights, freeze
+from .recovery import RECOVERY_ENABLE
+
+FUSED_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # 3-D parameters of fused MoE experts modules
+
+
+@dataclass
+class QuantizedStudent:
+    """``quantize_student``'s result: ``model`` (the quantized copy), ``weights`` ({name: FP32 latent weight},
+    for ``enable(weights=)``), ``dequantized`` (the names whose latent weight is the dequantized one: the
+    method's codes are not a rounding of one weight, e.g. GPTQ) and the PTQ ``report``."""
+
+    model: nn.Module
+    weights: dict
+    dequantized: list
+    report: PTQReport
+
+
+def fused_expert_weights(model: nn.Module) -> dict:
+    """{``NAME.gate_up_proj`` / ``NAME.down_proj``: weight} of the fused experts modules of a full-precision
+    ``model`` (the keys ``enable`` / ``exact_latent_weights`` read for ``NVFP4Experts`` NAME)."""
+    out = {}
+    for name, m in model.named_modules():
+        for key in FUSED_EXPERT_WEIGHTS:
+            w = getattr(m, key, None)
+            if isinstance(w, torch.Tensor) and w.dim() == 3:
+                out[f"{name}.{key}"] = w.detach()
+    return out
+
+
+def quantize_student(model: nn.Module, tokenizer, config: PTQConfig, calib: str, calib_bos: bool = False, *,
+                     progress: bool = True,
+                     run: Optional[Callable[[Callable[[], PTQReport]], PTQReport]] = None) -> QuantizedStudent:
+    """Quantize a deep copy of the full-precision ``model`` with ``config`` (calibrating on ``calib`` when the
+    method needs it; ``ptq.pipeline.calibrate_and_quantize``) and pick its latent weights: the full-precision
+    weights PTQ rounded (after AWQ / SmoothQuant folding; fused experts: ``model``'s) where they reproduce the
+    codes, else the dequantized ones (``exact_latent_weights``), so ``enable(init="stored", weights=...)``
+    starts at the PTQ model either way. ``run``: calls the PTQ thunk and returns its report (the command line
+    folds its warnings there); default: calls it."""
+    student = copy.deepcopy(model)
+    latent = {}
+
+    def ptq() -> PTQReport:
+        return calibrate_and_quantize(student, tokenizer, config, calib, calib_bos, progress=progress,
+                                      latent_weights=latent)
+
+    report = ptq() if run is None else run(ptq)
+    for key, w in fused_expert_weights(model).items():  # the full-precision experts (RTN: exact)
+        latent.setdefault(key, w)
+    weights, dequantized = exact_latent_weights(student, latent)
+    return QuantizedStudent(student, weights, dequantized, report)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """One scale-learning run: ``distill`` (steps, learning rates, batches, schedule, ``out_dir``) and how the
+    block scales become trainable (``enable``'s ``mode`` / ``param`` / ``dual_form`` / ``learn_input_scales``;
+    defaults: the recovery pipeline's ``RECOVERY_ENABLE``)."""
+
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    mode: str = RECOVERY_ENABLE["mode"]
+    param: str = RECOVERY_ENABLE["param"]
+    dual_form: str = RECOVERY_ENABLE["dual_form"]
+    learn_input_scales: bool = False
+
+
+@dataclass
+class RecoveryResult:
+    """``recover``'s result: ``distill`` (``lsq.distill``'s summary), ``evaluations`` ({"before" / "after": what
+    ``evaluate`` returned}, empty without it) and ``main_rank`` (False on the other ranks of a torchrun job,
+    which neither evaluate nor freeze)."""
+
+    distill: dict
+    evaluations: dict
+    main_rank: bool = True
+
+
+class ScaleSetupError(ValueError):
+    """``recover``: ``lsq.enable`` refused the student (nothing trained); the message is enable's, the cause its
+    ValueError."""
+
+
+def is_main_rank() -> bool:
+    """Whether this process is rank 0 of its torchrun job (or not in one): the one that evaluates and writes."""
+    return env_world()[0] == 0
+
+
+def perplexity_evaluator(tokenizer, source: str, ctx: int, bos: str = "none", max_tokens: Optional[int] = None,
+                         batch_size: int = 4) -> Callable[[nn.Module, str], dict]:
+    """An ``evaluate`` for ``recover``: the perplexity record (``ptq.pipeline.evaluate_ppl`` as a dict: ``ppl``,
+    ``tokens_evaluated``, ``source``, ...) of the model on ``source`` in ``ctx``-token windows."""
+    def evaluate(model: nn.Module, tag: str) -> dict:
+        return record_dict(evaluate_ppl(model, tokenizer, source, ctx, bos, max_tokens, batch_size))
+
+    return evaluate
+
+
+def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, Callable[[], torch.Tensor]],
+            config: RecoveryConfig = RecoveryConfig(), *, weights: Union[nn.Module, dict, None] = None,
+            evaluate: Optional[Callable[[nn.Module, str], object]] = None,
+            on_enabled: Optional[Callable[[nn.Module], None]] = None, resume: bool = False,
+            record: Optional[dict] = None, force: bool = False, progress: bool = True) -> RecoveryResult:
+    """Learn the block scales of the PTQ-quantized ``student`` (in place) by distillation from ``teacher``.
+
+    In order: ``enable(student, init="stored", weights=weights, ...)`` with ``config``'s options (its
+    ValueError becomes a ``ScaleSetupError``), ``on_enabled(student)``, the training windows (``tokens``: an
+    integer tensor [n, T], or a function drawing them, called here), ``evaluate(student, "before")``,
+    ``lsq.distill`` (``resume`` / ``record`` / ``force`` / ``progress`` as there), ``evaluate(student,
+    "after")`` and ``freeze(student)``. Under torchrun only rank 0 evaluates and freezes (``main_rank``).
+    A run that diverges raises ``train.TrainingDivergedError``."""
+    try:
+        enable(student, mode=config.mode, init="stored", weights=weights, param=config.param,
+               dual_form=config.dual_form, learn_input_scales=config.learn_input_scales)
+    except ValueError as err:
+        raise ScaleSetupError(str(err)) from err
+    if on_enabled is not None:
+        on_enabled(student)
+    if callable(tokens):
+        tokens = tokens()
+    main_rank = is_main_rank()
+    evaluations = {}
+    if evaluate is not None and main_rank:
+        evaluations["before"] = evaluate(student, "before")
+    summary = distill(student, teacher, tokens, config.distill, resume=resume, progress=progress, record=record,
+                      force=force)
+    if not main_rank:
+        return RecoveryResult(summary, evaluations, main_rank=False)
+    if evaluate is not None:
+        evaluations["after"] = evaluate(student, "after")
+    freeze(student)
+    return RecoveryResult(summary, evaluations)
+
+
+__all__ = ["FUSED_EXPERT_WEIGHTS", "QuantizedStudent", "RecoveryConfig", "RecoveryResult", "ScaleSetupError",
+           "fused_expert_weights", "is_main_rank", "perplexity_evaluator", "quantize_student", "recover"]
