@@ -11,12 +11,14 @@ each kind's buffers and modules are: ``tensor_kinds``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from ..nn.fp8_linear import FP8Linear
 from ..nn.mx_linear import MXLinear
 from ..nn.nvfp4_linear import NVFP4Linear
+from ..nn.quantized_linear import QuantizedInferenceLinear
 from ..nn.quantized_modules import QUANTIZED_LINEAR_TYPES
 from .scheme_types import ModuleRules, ModuleScheme
 from .tensor_kinds import TENSOR_KINDS, kind_of
@@ -26,13 +28,9 @@ KINDS = tuple(k.name for k in TENSOR_KINDS)
 
 
 def scheme_of(m: nn.Module) -> ModuleScheme:
-    """The scheme of a quantized Linear (NVFP4Linear, FP8Linear, MXLinear)."""
-    if isinstance(m, NVFP4Linear):
-        return ModuleScheme("nvfp4", "nvfp4", "nvfp4" if m.input_global_scale is not None else None)
-    if isinstance(m, FP8Linear):
-        return ModuleScheme("fp8", m.weight_granularity, m.input_granularity)
-    if isinstance(m, MXLinear):
-        return ModuleScheme("mx", m.element, m.input_element)
+    """The scheme of a quantized Linear (NVFP4Linear, FP8Linear, MXLinear): its ``stored`` triple."""
+    if isinstance(m, QuantizedInferenceLinear):
+        return ModuleScheme(*m.stored)
     names = ", ".join(t.__name__ for t in QUANTIZED_LINEAR_TYPES)
     raise TypeError(f"{type(m).__name__} is not a quantized Linear ({names})")
 
@@ -52,8 +50,11 @@ def buffers(scheme: ModuleScheme) -> tuple[str, ...]:
 
 def build_module(scheme: ModuleScheme, rules: ModuleRules, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype) -> nn.Module:
-    """An empty module of ``scheme`` (its buffers are filled from a checkpoint)."""
-    return kind_of(scheme).build(scheme, rules, in_features, out_features, bias, dtype)
+    """An empty module of ``scheme`` (its buffers are filled from a checkpoint): the quantized Linear of its
+    kind (``nn.QuantizedInferenceLinear.class_for``) with ``rules``."""
+    return QuantizedInferenceLinear.class_for(scheme.kind).empty(
+        (scheme.kind, scheme.weights, scheme.inputs), in_features, out_features, bias,
+        rules=dataclasses.asdict(rules), dtype=dtype)
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:

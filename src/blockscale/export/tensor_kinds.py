@@ -1,5 +1,5 @@
 """What a quantized Linear's tensor format (NVFP4, FP8, MX) means to a checkpoint whatever the
-checkpoint format stores it as: its buffers, the empty module a loader builds, the checks before
+checkpoint format stores it as: its buffers, the checks before
 writing, its report entry, the scales fused siblings must share, its ``quantization_config.blockscale``
 entries and the rules read back from them. Each checkpoint format's ``codecs.TensorCodec`` for one
 kind holds a ``TensorKind``; the export and the loader ask it instead of testing a family's name.
@@ -14,9 +14,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..nn.fp8_linear import FP8Linear
-from ..nn.mx_linear import MXLinear
-from ..nn.nvfp4_linear import NVFP4Linear
 from ..nn.quantized_linear import weight_buffers
 from ..quant import MX as MXSpec
 from ..quant.mx import BLOCK as MX_BLOCK
@@ -40,7 +37,7 @@ class SharedScale:
 @dataclass(frozen=True)
 class TensorKind:
     """name: the ``ModuleScheme.kind`` it covers; noun: how messages name its format;
-    buffers(s): the module's quantized buffers; build(s, rules, in, out, bias, dtype): an empty module;
+    buffers(s): the module's quantized buffers (the empty module a loader builds: ``module_schemes.build_module``);
     check(name, m, s): ValueError for a module that cannot be written bit for bit; report(m, s): its
     report entry fields; shared: the scales fused siblings share; meta({name: (m, s)}): its
     ``quantization_config.blockscale`` entries; rules(name, s, blockscale section): its ``ModuleRules``;
@@ -52,7 +49,6 @@ class TensorKind:
     name: str
     noun: str
     buffers: Callable[[ModuleScheme], tuple]
-    build: Callable[..., nn.Module]
     check: Callable[[str, nn.Module, ModuleScheme], None]
     report: Callable[[nn.Module, ModuleScheme], dict]
     shared: tuple
@@ -71,12 +67,6 @@ def _scalar(t: torch.Tensor) -> float:
 
 
 # ---- NVFP4 ------------------------------------------------------------------------------------------
-def _nvfp4_build(s, rules, in_features, out_features, bias, dtype):
-    return NVFP4Linear(in_features, out_features, bias, dtype=dtype,
-                       input_scale_rule=(rules.input_scale_rule or "6") if s.inputs else None,
-                       input_error=rules.input_error if s.inputs else "mse")
-
-
 def _nvfp4_report(m, s) -> dict:
     e = {"weight_global_scale": _scalar(m.weight_global_scale)}
     if s.inputs:
@@ -97,7 +87,7 @@ NVFP4 = TensorKind(
     name="nvfp4", noun="NVFP4",
     buffers=lambda s: ("weight_packed", "weight_scale", "weight_global_scale") +
     (("input_global_scale",) if s.inputs else ()),
-    build=_nvfp4_build, check=lambda name, m, s: check_nvfp4_module(name, m), report=_nvfp4_report,
+    check=lambda name, m, s: check_nvfp4_module(name, m), report=_nvfp4_report,
     shared=(SharedScale("weight_global_scale", "weight_global_scale (weight encode scale S)", lambda s: True),
             SharedScale("input_global_scale", "input_global_scale (activation encode scale)",
                         lambda s: bool(s.inputs), _GROUP_INPUT_HINT)),
@@ -134,8 +124,6 @@ def _fp8_report(m, s) -> dict:
 FP8 = TensorKind(
     name="fp8", noun="FP8",
     buffers=lambda s: ("weight", "weight_scale") + (("input_scale",) if s.inputs == "tensor" else ()),
-    build=lambda s, rules, k, n, bias, dtype: FP8Linear(k, n, bias, weight_granularity=s.weights,
-                                                        input_granularity=s.inputs, dtype=dtype),
     check=check_fp8_module, report=_fp8_report,
     shared=(SharedScale("weight_scale", "FP8 weight_scale (per-tensor)", lambda s: s.weights == "tensor",
                         " For FP8: s = max amax over the group / 448."),
@@ -148,8 +136,6 @@ FP8 = TensorKind(
 MX = TensorKind(
     name="mx", noun="MX",
     buffers=lambda s: tuple(weight_buffers(MXSpec(s.weights), MX_BLOCK, MX_BLOCK)),  # (the element's layout)
-    build=lambda s, rules, k, n, bias, dtype: MXLinear(k, n, bias, element=s.weights, input_element=s.inputs,
-                                                       scale_rule=rules.scale_rule, dtype=dtype),
     check=check_mx_module, report=lambda m, s: {"scale_rule": m.scale_rule}, shared=(),
     meta=lambda mods: mx_meta({n: m for n, (m, s) in mods.items() if s.inputs}),
     rules=lambda name, s, bs: ModuleRules(scale_rule=bs["mx_scale_overrides"].get(name) or bs["mx_scale_rule"]

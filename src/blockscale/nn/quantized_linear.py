@@ -17,6 +17,7 @@ dict) and rebuilt when a weight buffer changes; ``.to(dtype)`` casts the bias on
 """
 from __future__ import annotations
 
+import functools
 from typing import ClassVar, Optional
 
 import torch
@@ -46,6 +47,12 @@ def keep_buffer_dtypes(module: nn.Module, apply, fn, recurse, follow=()):
 def weight_buffers(spec, out_features: int, in_features: int) -> dict[str, tuple[str, tuple, torch.dtype]]:
     """{buffer name: (QuantizedTensor field, stored shape, dtype)} of a [N, K] weight in ``spec``'s format
     (see the module docstring)."""
+    return dict(_weight_buffers(spec, out_features, in_features))
+
+
+@functools.lru_cache(maxsize=1024)
+def _weight_buffers(spec, out_features: int, in_features: int) -> tuple:
+    """``weight_buffers`` as items, computed once per (spec, N, K): every forward's cache check reads it."""
     fmt = format_of(spec)
     layout = fmt.layout(spec, (out_features, in_features))
     codes_shape, codes_dtype = layout["codes"]
@@ -55,7 +62,7 @@ def weight_buffers(spec, out_features: int, in_features: int) -> dict[str, tuple
            "weight_scale": ("scales", tuple(scales_shape) or (1,), scales_dtype)}
     if "outer_scale" in fmt.fields:
         out[GLOBAL_SCALE] = ("outer_scale", (1,), torch.float32)
-    return out
+    return tuple(out.items())
 
 
 class QuantizedInferenceLinear(nn.Module):
@@ -121,7 +128,7 @@ class QuantizedInferenceLinear(nn.Module):
     def _weight_fields(self) -> dict[str, tuple]:
         """{buffer name: (QuantizedTensor field, stored shape)} (``weight_buffers``)."""
         return {n: (f, shape) for n, (f, shape, _) in
-                weight_buffers(self.weight_spec, self.out_features, self.in_features).items()}
+                _weight_buffers(self.weight_spec, self.out_features, self.in_features)}
 
     @property
     def codes(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ input scale, dynamic per-token / 1x128 FP8, dynamic per-32 MX).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -36,6 +37,9 @@ from .nvfp4_experts import eager_experts, hf_experts_forward, shell_of, stacked_
 from .nvfp4_gpt_oss_experts import eager_gpt_oss_experts, gpt_oss_forward
 
 _PROJ = ("gate_up", "down")
+#: per module: (proj, expert) -> (ids of the stacked buffers, that expert's view Linear); outside the module
+#: so that its attributes stay plain (streaming PTQ records them)
+_VIEWS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 SCHEME_EXPERT_KINDS = ("fp8", "mx")
 
 
@@ -88,11 +92,19 @@ class SchemeExperts(nn.Module):
             dtype=getattr(self, "_dtype", torch.float32), device=device)
 
     def _expert_view(self, proj: str, expert: int) -> QuantizedInferenceLinear:
-        """Expert ``expert``'s ``proj`` GEMM as a Linear whose buffers are views of this module's (no copy)."""
+        """Expert ``expert``'s ``proj`` GEMM as a Linear whose buffers are views of this module's (no copy);
+        kept (the eager forward asks for it per expert and call) until a stacked buffer is replaced."""
+        stacked = tuple((n, t) for n, t in self._buffers.items() if n.startswith(f"{proj}_") and t is not None)
+        key = tuple(id(t) for _, t in stacked)
+        views = _VIEWS.setdefault(self, {})
+        hit = views.get((proj, expert))
+        if hit is not None and hit[0] == key:
+            return hit[1]
         lin = self._empty_linear(*self._shape(proj), device="meta")
         for b, t in lin._buffers.items():
             if t is not None:
                 lin._buffers[b] = getattr(self, f"{proj}_{b}")[expert]
+        views[(proj, expert)] = (key, lin)  # (the views keep the stacked tensors alive: ids are not reused)
         return lin
 
     # -- what it is ------------------------------------------------------------------------------
@@ -223,6 +235,7 @@ class SchemeExperts(nn.Module):
     def _apply(self, fn, recurse=True):
         """``.to(dtype)`` casts the gpt-oss biases (the model dtype), never the codes and scales."""
         self._cache = None
+        _VIEWS.pop(self, None)
         return keep_buffer_dtypes(self, super()._apply, fn, recurse, follow=("gate_up_proj_bias", "down_proj_bias"))
 
     def extra_repr(self) -> str:
