@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from blockscale.export import export_checkpoint, load_checkpoint
-from blockscale.nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts, gpt_oss_expert_matrices
+from blockscale.nn.gpt_oss_experts_layout import gpt_oss_expert_matrices
+from blockscale.nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts
 from blockscale.ptq import PTQConfig, quantize_model
 from blockscale.ptq.methods import AWQ, SmoothQuant
 from blockscale.ptq.smoothing import SmoothingGroup, WeightSlice, find_moe_smoothing_groups

@@ -1,4 +1,4 @@
-"""Quantized fused MoE experts (``NVFP4Experts``; FP8 / MX ``SchemeExperts``) in checkpoints: per-expert Linears
+"""Quantized fused MoE experts (``QuantizedExperts``: NVFP4Experts, SchemeExperts, ...) in checkpoints: per-expert Linears
 under the names the
 family's Hugging Face checkpoints use (what transformers >= 5 ``save_pretrained`` writes, its weight
 conversion reversed), which is what vLLM / SGLang's MoE loaders read.
@@ -10,14 +10,14 @@ transformers 5 (``conversion_mapping.py``) fuses the hub's per-expert Linears on
 - Qwen2-MoE / Qwen3-MoE / OLMoE (the ``qwen2_moe`` mapping): ``mlp.experts.{e}.gate_proj`` / ``up_proj`` ->
   ``mlp.experts.gate_up_proj``, ``mlp.experts.{e}.down_proj`` -> ``mlp.experts.down_proj``.
 
-Export reverses that: each expert e of an ``NVFP4Experts`` at ``<m>`` is written as three NVFP4 Linears
+Export reverses that: each expert e of NVFP4 experts (``NVFP4Experts``) at ``<m>`` is written as three NVFP4 Linears
 ``<hub m>.{e}.<gate>`` [I, H], ``<hub m>.{e}.<up>`` [I, H] (both with the expert's one gate/up outer
 scale, and W4A4 its one gate/up input scale) and ``<hub m>.{e}.<down>`` [H, I]; every other key of the
 model gets the family's renaming (Mixtral's ``.mlp.`` -> ``.block_sparse_moe.``). The per-expert
 Linears are ordinary NVFP4 Linears to the rest of the export (``ExpertsView.linears``): config
 groups / ``quantized_layers``, fused gate/up groups sharing their scales, the report. Loading
-(``load_plan``) rebuilds the ``NVFP4Experts`` from them. A ``SchemeExperts`` is written the same way, its
-per-expert Linears FP8Linear / MXLinear copies of the expert's rows (``SchemeExperts.expert_linear``).
+(``load_plan``) rebuilds the experts from them. Experts of any scheme are written the same way, their
+per-expert Linears copies of the expert's rows (``QuantizedExperts.expert_linear``).
 
 Fused experts kept in high precision (excluded) in a model of a known family are written the same way,
 as save_pretrained writes them: per-expert ``<hub m>.{e}.<gate|up|down>.weight`` in the model's dtype
@@ -35,14 +35,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..nn.nvfp4_experts import NVFP4Experts, fused_experts_layout, has_fused_expert_parameters
-from ..nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts
-from ..nn.nvfp4_linear import NVFP4Linear
-from ..nn.scheme_experts import SchemeExperts
+from ..nn.experts_layout import has_fused_expert_parameters
+from ..nn.fused_experts_layout import fused_experts_layout
+from ..nn.quantized_experts import QuantizedExperts
 from .module_schemes import buffers, scheme_of
 
 #: the quantized fused-experts modules the export writes per expert
-QUANTIZED_EXPERTS = (NVFP4Experts, SchemeExperts)
+QUANTIZED_EXPERTS = (QuantizedExperts,)
 
 
 @dataclass(frozen=True)
@@ -67,8 +66,6 @@ FAMILIES = {
     # and <m>.{e}.down_proj [H, I]; no engine loads this NVFP4 layout (docs/formats.md)
     "gpt_oss": Family(None, ("gate_up_proj", "gate_up_proj", "down_proj"), fused_gate_up=True),
 }
-#: gpt-oss: the experts module's own tensors written as they are (save_pretrained's names and shapes)
-GPT_OSS_KEPT = ("gate_up_proj_bias", "down_proj_bias")
 
 
 #: the per-expert names vLLM's CompressedTensorsMoEMethod.get_moe_method asks the config about to decide
@@ -119,33 +116,17 @@ def split_experts(hub_module: str, gate_up: torch.Tensor, down: torch.Tensor, fa
     return {f"{lin}.weight": rows[p](e) for e, p, lin in expert_linear_names(hub_module, gate_up.shape[0], fam)}
 
 
-def _linear(ex: nn.Module, proj: str, e: int, rows: slice) -> nn.Module:
-    """Expert ``e``'s rows ``rows`` of ``proj`` as a quantized Linear holding a copy of them."""
-    if isinstance(ex, SchemeExperts):
-        return ex.expert_linear(proj, e, rows)
-    packed = getattr(ex, f"{proj}_weight_packed")[e, rows]
-    m = NVFP4Linear(packed.shape[1] * 2, packed.shape[0], False, input_scale_rule=ex.input_scale_rule,
-                    input_error=ex.input_error, dtype=ex._dtype)
-    m.weight_packed = packed.detach().clone()
-    m.weight_scale = getattr(ex, f"{proj}_weight_scale")[e, rows].detach().clone()
-    m.weight_global_scale = getattr(ex, f"{proj}_weight_global_scale")[e].detach().to(torch.float32).reshape(1).clone()
-    if ex.input_scale_rule is not None:
-        s_in = getattr(ex, f"{proj}_input_global_scale")[e]
-        m.input_global_scale = s_in.detach().to(torch.float32).reshape(1).clone()
-    return m
-
-
 @dataclass
 class ExpertsView:
     """The model as the export writes it when it holds quantized fused experts: ``family``; ``modules``
-    (in-memory experts module name -> NVFP4Experts / SchemeExperts); ``linears`` (hub per-expert Linear name
-    -> NVFP4Linear / FP8Linear / MXLinear holding a copy of that expert's rows, in model order)."""
+    (in-memory experts module name -> QuantizedExperts); ``linears`` (hub per-expert Linear name
+    -> its scheme's quantized Linear holding a copy of that expert's rows, in model order)."""
 
     family: Family
     modules: dict
     linears: dict
     high: dict = field(default_factory=dict)  # in-memory name -> fused experts module kept in high precision
-    kept: tuple = ()  # leaves of the quantized experts modules written as they are (gpt-oss: GPT_OSS_KEPT)
+    kept: tuple = ()  # leaves of the quantized experts modules written as they are (their layout's biases: gpt-oss)
 
     def hub(self, name: str) -> str:
         return hub_name(name, self.family)
@@ -202,10 +183,10 @@ class ExpertsView:
 
 
 def experts_view(model: nn.Module) -> Optional[ExpertsView]:
-    """The ``ExpertsView`` of ``model``, or None when it has neither ``NVFP4Experts`` nor (in a model of a
+    """The ``ExpertsView`` of ``model``, or None when it has neither ``QuantizedExperts`` nor (in a model of a
     family in ``FAMILIES``) high-precision fused experts or a family renaming (a Mixtral whose experts are
     per-expert nn.Linear modules, the transformers-4 layout, gets its hub names too). ValueError when it
-    has NVFP4Experts and its family is not supported or some fused experts modules stay in high precision
+    has QuantizedExperts and its family is not supported or some fused experts modules stay in high precision
     next to quantized ones."""
     modules = {n: m for n, m in model.named_modules() if isinstance(m, QUANTIZED_EXPERTS)}
     if not modules:
@@ -224,12 +205,13 @@ def experts_view(model: nn.Module) -> Optional[ExpertsView]:
     for name, ex in modules.items():
         I = ex.intermediate_dim
         rows = {"gate": slice(0, I), "up": slice(I, 2 * I), "down": slice(None), "gate_up": slice(None)}
-        if (isinstance(ex, NVFP4GptOssExperts) or getattr(ex, "gpt_oss", False)) != fam.fused_gate_up:
+        if ex.layout.interleaved != fam.fused_gate_up:
             raise ValueError(f"{name}: {type(ex).__name__} in a model_type={model.config.model_type!r} model: "
                              "not the experts layout of that family")
         for e, p, lin in expert_linear_names(hub_name(name, fam), ex.num_experts, fam):
-            linears[lin] = _linear(ex, "down" if p == "down" else "gate_up", e, rows[p])
-    return ExpertsView(fam, modules, linears, kept=GPT_OSS_KEPT if fam.fused_gate_up else ())
+            linears[lin] = ex.expert_linear("down" if p == "down" else "gate_up", e, rows[p])
+    kept = dict.fromkeys(b for ex in modules.values() for b in ex.layout.biases.values())
+    return ExpertsView(fam, modules, linears, kept=tuple(kept))
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -240,5 +222,5 @@ def fused_experts_modules(model: nn.Module) -> dict[str, nn.Module]:
             if has_fused_expert_parameters(m) and fused_experts_layout(m) is None}
 
 
-__all__ = ["ExpertsView", "FAMILIES", "QUANTIZED_EXPERTS", "Family", "GPT_OSS_KEPT", "expert_linear_names", "experts_view", "family_of",
+__all__ = ["ExpertsView", "FAMILIES", "QUANTIZED_EXPERTS", "Family", "expert_linear_names", "experts_view", "family_of",
            "fused_experts_modules", "hub_name", "memory_name", "split_experts", "VLLM_CT_PROBES"]

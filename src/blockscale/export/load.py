@@ -35,7 +35,6 @@ from .load_plan import Plan, build_plan, check_plan, check_values
 from .codecs import codec_for
 from .module_schemes import build_module, rules_of, scheme_of
 from .registry import CheckpointFormat, ParsedConfig
-from .tensor_kinds import kind_of
 from .validate import check_model_bytes, check_sizes, verify_digests
 
 CONFIG_FILE = "config.json"
@@ -153,62 +152,9 @@ def _list(names, k=8) -> str:
     return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "")
 
 
-def _fill_experts(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat) -> None:
-    """Each fused-experts module the plan quantizes becomes an ``NVFP4Experts`` built from its per-expert
-    Linears (gate / up rows concatenated, their one outer and input scale)."""
-    from ..nn.nvfp4_experts import NVFP4Experts
-    from ..nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts
-    from ..quant import NVFP4, QuantizedTensor
-
-    for name, qe in plan.experts.items():
-        if not kind_of(qe.scheme).packs_experts:  # FP8 / MX: filled as per-expert Linears, stacked (_stack_experts)
-            continue
-        module = model.get_submodule(name)
-        codec = codec_for(fmt, qe.scheme, name)
-        per: dict = {}
-        for e, p, lin in qe.linears:
-            t = {suf: shards.get(key) for key, (n, suf, _, _) in plan.expected_q.items() if n == lin}
-            try:
-                per[(e, p)] = codec.read(qe.scheme, t)
-            except ValueError as err:
-                raise CheckpointError(f"{shards.root}: {lin}: {err}") from None
-        dtype = module.gate_up_proj.dtype
-        gate_up, down, s_gu, s_dn = [], [], [], []
-        for e in range(qe.experts):
-            d = per[(e, "down")]
-            if (e, "gate_up") in per:  # gpt-oss: one Linear [2I, H] per expert (rows interleaved)
-                g = per[(e, "gate_up")]
-                codes, scales = g["weight_packed"], g["weight_scale"]
-            else:
-                g, u = per[(e, "gate")], per[(e, "up")]
-                if not torch.equal(g["weight_global_scale"], u["weight_global_scale"]):  # pragma: no cover (checked)
-                    raise CheckpointError(f"{shards.root}: {name}: expert {e}: gate and up outer scales differ")
-                codes = torch.cat([g["weight_packed"], u["weight_packed"]])
-                scales = torch.cat([g["weight_scale"], u["weight_scale"]])
-            gate_up.append(QuantizedTensor(spec=NVFP4(), codes=codes, scales=scales,
-                                           shape=torch.Size((codes.shape[0], 2 * codes.shape[1])), dtype=dtype,
-                                           outer_scale=g["weight_global_scale"].reshape(())))
-            dc = d["weight_packed"]
-            down.append(QuantizedTensor(spec=NVFP4(), codes=dc, scales=d["weight_scale"],
-                                        shape=torch.Size((dc.shape[0], 2 * dc.shape[1])),
-                                        dtype=dtype, outer_scale=d["weight_global_scale"].reshape(())))
-            if qe.scheme.inputs:
-                s_gu.append(g["input_global_scale"].reshape(()))
-                s_dn.append(d["input_global_scale"].reshape(()))
-        kw = {}
-        if qe.scheme.inputs:
-            kw = dict(gate_up_input_scale=torch.stack(s_gu), down_input_scale=torch.stack(s_dn),
-                      input_scale_rule=qe.rules.input_scale_rule, input_error=qe.rules.input_error)
-        try:
-            new = (NVFP4GptOssExperts if qe.kept else NVFP4Experts).from_experts(module, gate_up, down, **kw)
-        except ValueError as err:
-            raise CheckpointError(f"{shards.root}: {name}: {err}") from None
-        _replace(model, name, new)
-
-
 def _cat_rows(parts: list) -> nn.Module:
-    """One FP8Linear / MXLinear whose rows are those of ``parts`` in order (an expert's gate then up Linear);
-    per-tensor scales must be equal (checked before: ``load_plan._check_experts_shared``)."""
+    """One quantized Linear whose rows are those of ``parts`` in order (an expert's gate then up Linear);
+    per-tensor scales (NVFP4 outer and input scales, FP8 per-tensor scales) must be equal (checked before: ``load_plan._check_experts_shared``)."""
     first = parts[0]
     out = build_module(scheme_of(first), rules_of(first), first.in_features, sum(m.out_features for m in parts),
                        False, first._dtype)
@@ -222,19 +168,17 @@ def _cat_rows(parts: list) -> nn.Module:
 
 
 def _stack_experts(model: nn.Module, plan: Plan, linears: dict) -> None:
-    """Each FP8 / MX fused-experts module of the plan becomes a ``SchemeExperts`` built from its filled
-    per-expert Linears (on-disk name -> module; gate and up rows concatenated)."""
-    from ..nn.scheme_experts import SchemeExperts
+    """Each fused-experts module of the plan becomes the ``QuantizedExperts`` of its filled per-expert Linears
+    (on-disk name -> module; gate and up rows concatenated)."""
+    from ..nn.quantized_experts import QuantizedExperts
 
     for name, qe in plan.experts.items():
-        if kind_of(qe.scheme).packs_experts:
-            continue
         per = {(e, p): linears[n] for e, p, n in qe.linears}
         gate_up = [per[(e, "gate_up")] if (e, "gate_up") in per else _cat_rows([per[(e, "gate")], per[(e, "up")]])
                    for e in range(qe.experts)]
         down = [per[(e, "down")] for e in range(qe.experts)]
         try:
-            new = SchemeExperts.from_linears(model.get_submodule(name), gate_up, down, gpt_oss=bool(qe.kept))
+            new = QuantizedExperts.from_linears(model.get_submodule(name), gate_up, down)
         except ValueError as err:
             raise CheckpointError(f"{plan.disk(name)}: {err}") from None
         _replace(model, name, new)
@@ -243,20 +187,16 @@ def _stack_experts(model: nn.Module, plan: Plan, linears: dict) -> None:
 def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, dtype: torch.dtype) -> None:
     expert_linears = {n for qe in plan.experts.values() for _, _, n in qe.linears}
     quantized: dict[str, nn.Module] = {}
-    detached: dict[str, nn.Module] = {}  # FP8 / MX experts' per-expert Linears (not modules of the model)
+    detached: dict[str, nn.Module] = {}  # the experts' per-expert Linears (not modules of the model)
     for name, q in plan.quantized.items():
         if name in expert_linears:
-            qe = next(x for x in plan.experts.values() if any(n == name for _, _, n in x.linears))
-            if not kind_of(qe.scheme).packs_experts:
-                detached[name] = build_module(q.scheme, q.rules, q.in_features, q.out_features, False, dtype)
+            detached[name] = build_module(q.scheme, q.rules, q.in_features, q.out_features, False, dtype)
             continue
         w = model.get_submodule(plan.memory(name)).weight
         new = build_module(q.scheme, q.rules, q.in_features, q.out_features, q.bias,
                            w.dtype if w.is_floating_point() else dtype)
         _replace(model, plan.memory(name), new)
         quantized[name] = new
-    with torch.no_grad():
-        _fill_experts(model, plan, shards, fmt)
     state = drop_shared(model, model.state_dict())
     q_mem = {plan.memory(n) for n in quantized}
     plain = {}

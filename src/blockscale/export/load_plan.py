@@ -15,9 +15,9 @@ from torch import nn
 
 from ..nn.kv_cache import attention_modules
 from .common import CheckpointError, tied_targets
-from ..nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
-from .experts import (GPT_OSS_KEPT, Family, expert_linear_names, family_of, fused_experts_modules, hub_name,
-                      memory_name)
+from ..nn.experts_layouts import supported_experts_layout
+from ..quant import format_of
+from .experts import Family, expert_linear_names, family_of, hub_name, memory_name
 from .files import Shards
 from ..quant.schemes import scheme_row
 from .codecs import codec_for
@@ -52,7 +52,7 @@ class QExperts:
     scheme: ModuleScheme
     rules: ModuleRules
     linears: tuple
-    kept: tuple = ()  # the module's own tensors stored as they are (gpt-oss: its biases, GPT_OSS_KEPT)
+    kept: tuple = ()  # the module's own tensors stored as they are (its layout's biases: gpt-oss)
 
 
 @dataclass
@@ -110,8 +110,7 @@ def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path
     exports of known families with the experts excluded write). A module whose fused 3-D
     ``gate_up_proj`` is among the stored tensors (``present``) is a high-precision one stored fused
     under in-memory names (older exports)."""
-    fused = fused_experts_modules(model)
-    fused.update({n: m for n, m in model.named_modules() if is_gpt_oss_experts(m)})  # per-expert gate_up / down
+    fused = {n: m for n, m in model.named_modules() if supported_experts_layout(m) is not None}
     if not fused:
         return {}, None, {}
     try:
@@ -122,10 +121,9 @@ def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path
     for name, m in fused.items():
         if present is not None and f"{name}.gate_up_proj" in present:
             continue
-        gpt_oss = is_gpt_oss_experts(m)
-        E, two_i, H = m.gate_up_proj.shape
-        if gpt_oss:  # gate_up_proj [E, H, 2I]
-            E, H, two_i = m.gate_up_proj.shape
+        layout = supported_experts_layout(m)
+        E, H, I = layout.dims(m)
+        two_i = 2 * I
         lin = expert_linear_names(hub_name(name, fam), E, fam)
         got = {n: parsed.scheme_of(n) for _, _, n in lin}
         schemes = {s for s in got.values() if s is not None}
@@ -144,14 +142,18 @@ def _experts(model: nn.Module, parsed: ParsedConfig, bs: dict, config_path: Path
         if block and (H % block or (two_i // 2) % block):
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: hidden {H} / intermediate {two_i // 2} "
                                   f"not multiples of {block}, so they cannot be {s.name}")
-        if s.weights == "block" and not gpt_oss and (two_i // 2) % 128:
+        row = scheme_row(s.name)
+        spec = row.weight(row.defaults())
+        g = format_of(spec).scale_rows(spec)  # weight rows per scale row (128x128-block FP8: 128)
+        if g > 1 and not layout.interleaved and (two_i // 2) % g:
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: intermediate {two_i // 2} is not a multiple "
-                                  "of 128, so its gate and up cannot be 128x128-block FP8 Linears of one expert")
+                                  f"of {g}, so its gate and up cannot be {s.name} Linears of one expert (a scale covers "
+                                  f"{g} rows)")
         rules = {_rules(n, s, bs) for _, _, n in lin}
         if len(rules) > 1:
             raise CheckpointError(f"{config_path}: fused MoE experts {name}: quantization_config.blockscale gives its "
                                   "per-expert Linears different activation rules; one per experts module is supported")
-        out[name] = QExperts(E, H, two_i // 2, s, rules.pop(), tuple(lin), GPT_OSS_KEPT if gpt_oss else ())
+        out[name] = QExperts(E, H, two_i // 2, s, rules.pop(), tuple(lin), tuple(layout.biases.values()))
     return out, (fam if out or high else None), high
 
 

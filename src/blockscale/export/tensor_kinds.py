@@ -43,8 +43,7 @@ class TensorKind:
     ``quantization_config.blockscale`` entries; rules(name, s, blockscale section): its ``ModuleRules``;
     block_noun(s): what a Linear whose in_features are not whole blocks cannot be; summary(s): the
     blockscale ``scheme`` / ``activations`` of a checkpoint holding this one scheme only and no KV
-    cache (None: the generic ``scheme`` / ``schemes`` summary); packs_experts: fused MoE experts of
-    this kind load as one packed module (``NVFP4Experts``) rather than stacked Linears."""
+    cache (None: the generic ``scheme`` / ``schemes`` summary)."""
 
     name: str
     noun: str
@@ -56,7 +55,6 @@ class TensorKind:
     rules: Callable[[str, ModuleScheme, dict], ModuleRules]
     block_noun: Callable[[ModuleScheme], str]
     summary: Optional[Callable[[ModuleScheme], dict]] = None
-    packs_experts: bool = False
 
     def matches(self, s: ModuleScheme) -> bool:
         return s.kind == self.name
@@ -94,8 +92,7 @@ NVFP4 = TensorKind(
     meta=lambda mods: activation_meta({n: m for n, (m, s) in mods.items() if s.inputs})
     if any(s.inputs for _, s in mods.values()) else {},
     rules=_nvfp4_rules, block_noun=lambda s: "NVFP4",
-    summary=lambda s: {"scheme": "NVFP4" if s.inputs else "NVFP4A16", "activations": "W4A4" if s.inputs else "W4A16"},
-    packs_experts=True)
+    summary=lambda s: {"scheme": "NVFP4" if s.inputs else "NVFP4A16", "activations": "W4A4" if s.inputs else "W4A16"})
 
 
 def nvfp4_expected(names: dict, scalar: tuple) -> Callable[[ModuleScheme, int, int], dict]:

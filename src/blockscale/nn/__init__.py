@@ -11,12 +11,13 @@ from .mx_linear import MXLinear
 from .nvfp4_experts import NVFP4Experts
 from .nvfp4_gpt_oss_experts import NVFP4GptOssExperts
 from .nvfp4_linear import NVFP4Linear
+from .quantized_experts import QuantizedExperts
 from .quantized_modules import QUANTIZED_LINEAR_TYPES, is_quantized_linear
 from .scheme_experts import SchemeExperts
 
 __all__ = ["EXPERTS_ONLY_EXCLUDE", "ConversionReport", "FP8Linear", "GroupedExperts", "KVAmaxObserver", "MXLinear",
            "MoE", "MoEConfig", "NVFP4Experts", "NVFP4GptOssExperts", "NVFP4Linear", "Operand", "QUANTIZED_LINEAR_TYPES",
-           "QuantizedFusedExperts", "QuantizedGptOssExperts", "QuantizedLinear", "Router", "RoutingPlan",
+           "QuantizedExperts", "QuantizedFusedExperts", "QuantizedGptOssExperts", "QuantizedLinear", "Router", "RoutingPlan",
            "SchemeExperts", "attention_modules", "convert",
            "experts_only", "find_blocks", "fp8_kv_fake_quantize", "is_quantized_linear", "kv_scale_from_amax",
            "kv_scales", "observe_kv", "prepare_operand", "quantized_linear", "register_gemm_backend",

@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .nvfp4_experts import NVFP4Experts
+from .quantized_experts import QuantizedExperts
 from .quantized_modules import is_quantized_linear
-from .scheme_experts import SchemeExperts
 
 
 @dataclass(frozen=True)
 class Coverage:
-    """quantized: NVFP4Linear / FP8Linear / MXLinear / NVFP4Experts / SchemeExperts name -> weight elements; high_precision: module
+    """quantized: quantized Linear / QuantizedExperts name -> weight elements; high_precision: module
     name -> elements of the floating-point parameters of >= 2 dims it owns directly (its own, not its
     children's)."""
 
@@ -44,7 +43,7 @@ def weight_coverage(module: nn.Module, prefix: str = "") -> Coverage:
         if is_quantized_linear(m):
             quantized[full] = m.in_features * m.out_features
             continue
-        if isinstance(m, (NVFP4Experts, SchemeExperts)):  # fused MoE experts: E * (2I*H + H*I) weight elements
+        if isinstance(m, QuantizedExperts):  # fused MoE experts: E * (2I*H + H*I) weight elements
             quantized[full] = m.weight_elements
             continue
         n = sum(p.numel() for p in m.parameters(recurse=False) if p.is_floating_point() and p.dim() >= 2)

@@ -27,8 +27,8 @@ from torch import nn
 from ..recipes import LinearRecipe
 from .linear import quantized_linear
 from .moe import RoutingPlan, combine, dispatch
-from .nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
-from .nvfp4_gpt_oss_experts import GPT_OSS_EXPERTS, gpt_oss_experts_layout
+from .experts_layout import has_fused_expert_parameters
+from .experts_layouts import experts_layout_named, experts_layout_of
 
 
 def routing_plan(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int) -> RoutingPlan:
@@ -52,6 +52,8 @@ class QuantizedFusedExperts(nn.Module):
 
     #: the replaced module's Parameters this module holds (in the replaced module's order)
     PARAMETERS: tuple = ("gate_up_proj", "down_proj")
+    #: the ``ExpertsLayout`` it replaces (``nn.experts_layouts``)
+    LAYOUT: str = "fused"
 
     def __init__(self, module: nn.Module, recipe: LinearRecipe | None = None, generator=None):
         super().__init__()
@@ -69,16 +71,15 @@ class QuantizedFusedExperts(nn.Module):
         self.replaced_class = type(module).__name__
         self.__dict__["_original"] = module  # not a submodule: its Parameters are ours
 
-    @staticmethod
-    def layout(module: nn.Module) -> Optional[str]:
+    @classmethod
+    def layout(cls, module: nn.Module) -> Optional[str]:
         """Why ``module`` cannot be replaced by this class, or None."""
-        return fused_experts_layout(module)
+        return experts_layout_named(cls.LAYOUT).why_not(module)
 
-    @staticmethod
-    def dims(module: nn.Module) -> tuple[int, int, int]:
+    @classmethod
+    def dims(cls, module: nn.Module) -> tuple[int, int, int]:
         """(E, H, I) of the replaced module."""
-        E, two_i, H = module.gate_up_proj.shape
-        return E, H, two_i // 2
+        return experts_layout_named(cls.LAYOUT).dims(module)
 
     def adopt(self, module: nn.Module) -> None:
         """Take the replaced module's non-Parameter parts (here its ``act_fn``)."""
@@ -141,15 +142,7 @@ class QuantizedGptOssExperts(QuantizedFusedExperts):
     quantized). ``_apply_gate`` (the clamped GLU: alpha, limit) is the replaced module's own."""
 
     PARAMETERS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-
-    @staticmethod
-    def layout(module: nn.Module) -> Optional[str]:
-        return gpt_oss_experts_layout(module)
-
-    @staticmethod
-    def dims(module: nn.Module) -> tuple[int, int, int]:
-        E, H, two_i = module.gate_up_proj.shape
-        return E, H, two_i // 2
+    LAYOUT = "gpt-oss"
 
     def adopt(self, module: nn.Module) -> None:
         pass  # _apply_gate (and its alpha / limit) are read from the replaced module
@@ -175,18 +168,24 @@ class QuantizedGptOssExperts(QuantizedFusedExperts):
         return torch.zeros_like(hidden_states).index_add(0, plan.token, weighted)
 
 
+#: the training class of each experts layout
+TRAINING_EXPERTS = {cls.LAYOUT: cls for cls in (QuantizedFusedExperts, QuantizedGptOssExperts)}
+
+
+def _training_class(module: nn.Module) -> type:
+    lay = experts_layout_of(module)
+    return TRAINING_EXPERTS.get(lay.name if lay is not None else "fused", QuantizedFusedExperts)
+
+
 def convertible_experts_layout(module: nn.Module) -> Optional[str]:
-    """Why ``convert`` cannot replace the fused-experts ``module`` (by ``QuantizedFusedExperts`` or, for
-    ``GptOssExperts``, ``QuantizedGptOssExperts``), or None."""
-    if type(module).__name__ == GPT_OSS_EXPERTS:
-        return QuantizedGptOssExperts.layout(module)
-    return QuantizedFusedExperts.layout(module)
+    """Why ``convert`` cannot replace the fused-experts ``module`` (by the training class of its layout:
+    ``QuantizedFusedExperts``, or ``QuantizedGptOssExperts`` for ``GptOssExperts``), or None."""
+    return _training_class(module).layout(module)
 
 
 def quantized_experts(module: nn.Module, recipe: LinearRecipe | None = None, generator=None) -> QuantizedFusedExperts:
     """The training replacement of the fused-experts ``module`` (``convertible_experts_layout`` accepts it)."""
-    cls = QuantizedGptOssExperts if type(module).__name__ == GPT_OSS_EXPERTS else QuantizedFusedExperts
-    return cls(module, recipe, generator)
+    return _training_class(module)(module, recipe, generator)
 
 
 def fused_experts_to_convert(module: nn.Module) -> bool:

@@ -60,6 +60,10 @@ class MXLinear(QuantizedInferenceLinear):
         return MX(self.element, self.scale_rule)
 
     @property
+    def rules(self) -> dict:
+        return {"scale_rule": self.scale_rule}
+
+    @property
     def stored(self) -> tuple:
         return ("mx", self.element, self.input_element)
 

@@ -28,6 +28,7 @@ class NVFP4Linear(QuantizedInferenceLinear):
 
     initial_values = {"weight_global_scale": 1.0}
     kind = "nvfp4"
+    stacked_flat = frozenset({"weight_global_scale", "input_global_scale"})
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
                  input_scale_rule: Optional[str] = None, input_error: str = "mse",
@@ -49,6 +50,10 @@ class NVFP4Linear(QuantizedInferenceLinear):
     @property
     def weight_spec(self) -> NVFP4:
         return NVFP4()
+
+    @property
+    def rules(self) -> dict:
+        return {"input_scale_rule": self.input_scale_rule, "input_error": self.input_error}
 
     @property
     def stored(self) -> tuple:

@@ -76,6 +76,9 @@ class QuantizedInferenceLinear(nn.Module):
     initial_values: ClassVar[dict] = {}
     #: the stored kind (first field of ``stored``) a subclass holds; ``class_for(kind)`` finds it
     kind: ClassVar[str] = ""
+    #: one-element buffers that fused experts (``QuantizedExperts``) stack as [E] rather than [E, 1] (NVFP4's
+    #: outer and input scales, as its experts checkpoints and scale learning have always held them)
+    stacked_flat: ClassVar[frozenset] = frozenset()
     _by_kind: ClassVar[dict] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -139,6 +142,12 @@ class QuantizedInferenceLinear(nn.Module):
     def stored(self) -> tuple:
         """(kind, weights, inputs) of this Linear in a checkpoint (``quant.schemes``)."""
         raise NotImplementedError
+
+    @property
+    def rules(self) -> dict:
+        """What ``stored`` does not say and ``empty(rules=...)`` takes back (NVFP4 W4A4 ``input_scale_rule`` /
+        ``input_error``, the MX activations' ``scale_rule``); {} when nothing."""
+        return {}
 
     @property
     def scheme_name(self) -> str:

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from .. import errors as _errors
 from ..errors import BlockscaleError, UsageError
 from ..nn.fused import fused_groups
-from ..nn.nvfp4_gpt_oss_experts import gpt_oss_expert_matrices, is_gpt_oss_experts
+from ..nn.experts_layouts import experts_layout_of
 from .fused_experts import _outer_scales, expert_scale_groups
 from .protocol import QuantizedWeight
 from .scheme_quantize import group_weight_scale
@@ -436,10 +436,7 @@ def _jobs(model, linears, experts, stats, ex_stats, schemes, outer_scale) -> lis
         if est is None:
             continue
         scheme = schemes[name]
-        if is_gpt_oss_experts(module):
-            W_gu, W_dn = gpt_oss_expert_matrices(module)
-        else:
-            W_gu, W_dn = module.gate_up_proj.detach(), module.down_proj.detach()
+        W_gu, W_dn = experts_layout_of(module).matrices(module)
         try:
             S_all = _outer_scales(scheme, W_gu, W_dn, outer_scale)
         except ValueError:

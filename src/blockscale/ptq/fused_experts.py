@@ -1,6 +1,6 @@
 """PTQ of fused 3-D MoE experts (transformers >= 5 Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE experts modules):
-per-expert statistics from the tokens routed to each expert, per-expert NVFP4 weights (``NVFP4Experts``) or FP8 /
-MX weights (``SchemeExperts``: mixed recipes can give the experts any PTQ scheme).
+per-expert statistics from the tokens routed to each expert, per-expert weights in the experts' PTQ scheme (NVFP4,
+FP8 or MX: mixed recipes can give the experts any), one ``QuantizedExperts`` of the experts' Linears.
 
 Statistics (``ExpertStatistics``): per expert e and projection, an ``InputStatistics`` with the method's
 ``StatisticsRequest`` (GPTQ: Hessians, AWQ: samples, SmoothQuant: per-channel max; always tokens and
@@ -24,7 +24,8 @@ else 1): finite scales, and a report note.
 gpt-oss (``GptOssExperts``: gate_up_proj [E, H, 2I] transposed, gate / up interleaved, biases, clamped GLU):
 the same, on the out x in matrices gate_up_proj[e]^T [2I, H] (rows interleaved) / down_proj[e]^T [H, I]; the
 down input is ``_apply_gate(x @ gate_up_proj[e] + gate_up_proj_bias[e])``; the result an
-``NVFP4GptOssExperts`` (biases kept in high precision).
+``NVFP4GptOssExperts`` / gpt-oss ``SchemeExperts`` (biases kept in high precision). What differs between the
+two layouts is their ``nn.experts_layout.ExpertsLayout``.
 """
 from __future__ import annotations
 
@@ -37,10 +38,8 @@ import torch
 from torch import nn
 
 from ..errors import QuantizationError
-from ..nn.nvfp4_experts import NVFP4Experts
-from ..nn.nvfp4_gpt_oss_experts import NVFP4GptOssExperts, gpt_oss_expert_matrices, is_gpt_oss_experts
-from ..nn.scheme_experts import SCHEME_EXPERT_KINDS, SchemeExperts
-from ..quant.nvfp4 import input_encode_scale
+from ..nn.experts_layouts import experts_layout_of
+from ..nn.quantized_experts import QuantizedExperts
 from .scheme_modules import build_linear
 from .scheme_quantize import group_weight_scale, rtn_quantize
 from .statistics import InputStatistics, StatisticsRequest
@@ -80,13 +79,11 @@ class ExpertStatistics:
 
     def __init__(self, name: str, module: nn.Module, layer: int, total_tokens: int, device,
                  request: StatisticsRequest = StatisticsRequest(), calibrate_all: bool = False):
-        self.gpt_oss = is_gpt_oss_experts(module)  # gate_up_proj [E, H, 2I], biases, clamped GLU
-        E, two_i, H = module.gate_up_proj.shape
-        if self.gpt_oss:
-            E, H, two_i = module.gate_up_proj.shape
+        self.layout = experts_layout_of(module)  # its sizes and the operations leading to the down input
+        E, H, I = self.layout.dims(module)
         self.name, self.module, self.calibrate_all = name, module, calibrate_all
         self.stats = {p: [InputStatistics(f"{name} (expert {e}, {p} input)", layer, k, request, total_tokens, device)
-                          for e in range(E)] for p, k in zip(_PROJ, (H, two_i // 2))}
+                          for e in range(E)] for p, k in zip(_PROJ, (H, I))}
         self.routed = [0] * E
 
     @torch.no_grad()
@@ -99,11 +96,7 @@ class ExpertStatistics:
             self.routed[e] += int(token_idx.numel())
             current_state = hidden_states if self.calibrate_all else hidden_states[token_idx]
             self.stats["gate_up"][e].add(current_state)
-            if self.gpt_oss:  # GptOssExperts.forward's operations
-                self.stats["down"][e].add(m._apply_gate(current_state @ m.gate_up_proj[e] + m.gate_up_proj_bias[e]))
-                continue
-            gate, up = nn.functional.linear(current_state, m.gate_up_proj[e]).chunk(2, dim=-1)
-            self.stats["down"][e].add(m.act_fn(gate) * up)
+            self.stats["down"][e].add(self.layout.down_input(m, e, current_state))
 
     def tokens(self) -> list[int]:
         """Tokens each expert's statistics saw (the routed ones, or all with ``calibrate_all``)."""
@@ -192,14 +185,10 @@ def _quantize_one(method, w: torch.Tensor, st: Optional[InputStatistics], spec, 
 def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Optional[ExpertStatistics],
                          fallback_amax: float, outer_scale: str = "expert") -> tuple[nn.Module, ExpertsReport]:
     """``module`` under ``scheme`` (outer scales per ``outer_scale``: "expert" or "tensor") and its report:
-    an ``NVFP4Experts`` / ``NVFP4GptOssExperts`` for NVFP4 schemes, a ``SchemeExperts`` for FP8 / MX ones
-    (static FP8 activations: one calibrated input scale per expert and projection, amax / 448)."""
+    a ``QuantizedExperts`` (as ``NVFP4Experts`` / ``NVFP4GptOssExperts`` / ``SchemeExperts``) whose experts' GEMMs are
+    the scheme's inference Linears (static activations: one calibrated input scale per expert and projection)."""
     spec = scheme.weight_spec
-    gpt_oss = is_gpt_oss_experts(module)  # out x in matrices: gate_up_proj[e]^T (rows interleaved), down_proj[e]^T
-    if gpt_oss:
-        W_gu, W_dn = gpt_oss_expert_matrices(module)
-    else:
-        W_gu, W_dn = module.gate_up_proj.detach(), module.down_proj.detach()
+    W_gu, W_dn = experts_layout_of(module).matrices(module)  # out x in (gpt-oss: transposed, rows interleaved)
     E = W_gu.shape[0]
     S_all = _outer_scales(scheme, W_gu, W_dn, outer_scale)
     qs, rel, out_rel, rtn_rel = ({p: [] for p in _PROJ} for _ in range(4))
@@ -212,26 +201,20 @@ def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Opti
                 d[p].append(v)
             if note and st is not None and st.tokens:
                 odd.append(f"expert {e} {p}: {note}")
-    notes, kw, amaxes = [], {}, None
+    notes, amaxes = [], None
     unrouted = [e for e, t in enumerate(est.tokens()) if t == 0] if est is not None else []
     if scheme.static_activations:  # calibrated input scales, one per expert and projection
         amaxes = {p: [fallback_amax] * E if est is None else _input_amax(est.stats[p], fallback_amax)[0]
                   for p in _PROJ}
-    if scheme.name == "nvfp4-w4a4":
-        scales = {p: torch.cat([input_encode_scale(a, scheme.act_scale_rule) for a in amaxes[p]]) for p in _PROJ}
-        kw = dict(gate_up_input_scale=scales["gate_up"], down_input_scale=scales["down"],
-                  input_scale_rule=scheme.act_scale_rule, input_error=scheme.error)
     if unrouted:
         line = (f"no calibration tokens routed to expert(s) {unrouted}: RTN weights"
                 + (", input amax from the layer's other experts" if amaxes is not None else ""))
         notes.append(line)
     notes.extend(odd)
-    if scheme.stored[0] in SCHEME_EXPERT_KINDS:  # each expert's GEMM as its scheme's inference Linear, stacked
-        lin = {p: [build_linear(qs[p][e], None, scheme, amaxes[p][e] if amaxes else 0.0, W_gu.dtype)
-                   for e in range(E)] for p in _PROJ}
-        new = SchemeExperts.from_linears(module, lin["gate_up"], lin["down"], gpt_oss=gpt_oss)
-    else:  # NVFP4: gate and up of one expert share one outer scale
-        new = (NVFP4GptOssExperts if gpt_oss else NVFP4Experts).from_experts(module, qs["gate_up"], qs["down"], **kw)
+    # each expert's GEMM as its scheme's inference Linear (gate and up of one expert share one outer scale), stacked
+    lin = {p: [build_linear(qs[p][e], None, scheme, amaxes[p][e] if amaxes else 0.0, W_gu.dtype)
+               for e in range(E)] for p in _PROJ}
+    new = QuantizedExperts.from_linears(module, lin["gate_up"], lin["down"])
     has_h = any(v is not None for v in out_rel["gate_up"] + out_rel["down"])
     rep = ExpertsReport(name, E, tuple(W_gu.shape), tuple(W_dn.shape), est.tokens() if est is not None else None,
                         rel, amaxes, "; ".join(notes), scheme.label,
@@ -245,7 +228,7 @@ def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Opti
 def quantize_experts(root: nn.Module, experts: dict[str, nn.Module], ex_stats: Optional[dict], schemes: dict,
                      method, reports: list, warnings: list, fallback_amax: float, outer_scale: str = "expert") -> None:
     """Replace every fused-experts module of ``experts`` (name -> module) in ``root`` by its
-    ``NVFP4Experts`` (outer scales per ``outer_scale``); reports appended to ``reports``, notes to
+    ``QuantizedExperts`` (outer scales per ``outer_scale``); reports appended to ``reports``, notes to
     ``warnings``. A ValueError quantizing one becomes a QuantizationError naming it."""
     for name, module in experts.items():
         est = ex_stats.get(name) if ex_stats else None

@@ -20,8 +20,9 @@ from torch import nn
 from ..errors import DataError, QuantizationError, UsageError
 from ..nn.coverage import Coverage, weight_coverage
 from ..nn.fused import fused_groups
-from ..nn.nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
-from ..nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
+from ..nn.experts_layout import has_fused_expert_parameters
+from ..nn.experts_layouts import experts_layout_of
+from ..quant import format_of
 from .config import METHODS, PTQConfig
 from .finite import check_finite_parameters, non_finite_error
 from .scheme_plan import assign_schemes
@@ -96,17 +97,20 @@ def _choose(model: nn.Module, layer: nn.Module, lprefix: str, config: PTQConfig,
     return chosen
 
 
-def _experts_indivisible(full: str, H: int, I: int, scheme, gpt_oss: bool) -> Optional[str]:
+def _experts_indivisible(full: str, H: int, I: int, scheme, interleaved: bool) -> Optional[str]:
     """Why fused experts of hidden size H / intermediate size I cannot take ``scheme``, or None: NVFP4 needs
-    H and I multiples of 16 and MX of 32 (both are some GEMM's inputs); 128x128-block FP8 needs I a multiple
-    of 128 where gate and up are stored as two Linears (their rows split on a tile boundary; not gpt-oss)."""
+    H and I multiples of 16 and MX of 32 (both are some GEMM's inputs); a format whose scale rows cover several
+    weight rows (128x128-block FP8: 128) needs I a multiple of them where gate and up are stored as two Linears
+    (their rows split on a scale-row boundary; not gpt-oss, whose interleaved gate / up is one Linear)."""
     block = scheme.block_size
     if block and (H % block or I % block):
         return (f"{full}: hidden size {H} / intermediate size {I} is not a multiple of {block}, which {scheme.noun} "
                 "checkpoints need")
-    if scheme.name == "fp8-block" and not gpt_oss and I % 128:
-        return (f"{full}: intermediate size {I} is not a multiple of 128, which fp8-block experts need (gate and up "
-                "are stored as two Linears of one expert, split on a 128-row tile)")
+    spec = scheme.weight_spec
+    g = format_of(spec).scale_rows(spec)
+    if g > 1 and not interleaved and I % g:
+        return (f"{full}: intermediate size {I} is not a multiple of {g}, which {scheme.name} experts need (gate and "
+                f"up are stored as two Linears of one expert, split on a {g}-row scale tile)")
     return None
 
 
@@ -128,14 +132,13 @@ def _choose_experts(model: nn.Module, layer: nn.Module, lprefix: str, config: PT
             by_recipe.add(full)
             continue
         keep = "keep it in high precision with exclude=[...] (or a bf16 rule in the recipe)"
-        why = None if is_gpt_oss_experts(m) else fused_experts_layout(m)  # gpt-oss: its own experts classes
+        layout = experts_layout_of(m)
+        why = layout.why_not(m)
         if why is not None:
             raise QuantizationError(f"{full}: {type(m).__name__} holds fused 3-D expert parameters in a layout PTQ "
                                     f"does not know ({why}); {keep}")
-        E, two_i, H = m.gate_up_proj.shape
-        if is_gpt_oss_experts(m):  # gate_up_proj [E, H, 2I]
-            E, H, two_i = m.gate_up_proj.shape
-        why = _experts_indivisible(full, H, two_i // 2, scheme, is_gpt_oss_experts(m))
+        E, H, I = layout.dims(m)
+        why = _experts_indivisible(full, H, I, scheme, layout.interleaved)
         if why is not None:
             if config.skip_indivisible:
                 warnings.append(f"{why.split(', which')[0]}: kept in high precision")

@@ -36,6 +36,9 @@ class Format:
     spec_type: its frozen spec dataclass (the building block of recipes).
     block_size: elements per scale along the blocked dim, as a function of a spec (FP8 per-tensor: 0).
     blocked_dim: the dim blocks run along, as a function of a spec (-1 for most formats; MX: spec.dim).
+    scale_rows: rows of a 2-D tensor (blocked along its last dim) that one row of its scales covers, as a
+      function of a spec: 1 for per-row blocks (the default), 128 for FP8 128x128 tiles, 0 when the scales
+      have no row dim (FP8 per tensor). ``QuantizedTensor.rows`` slices by it.
     fields: the optional QuantizedTensor fields it fills beyond codes / scales
       (e.g. ("outer_scale", "amax") for NVFP4, ("signs",) for S2F6).
     accepts_encode_scale: quantize takes a caller-given FP32 outer encode scale.
@@ -52,6 +55,7 @@ class Format:
     layout: Callable[[Any, tuple], dict]
     block_size: Callable[[Any], int]
     blocked_dim: Callable[[Any], int] = lambda spec: -1
+    scale_rows: Callable[[Any], int] = lambda spec: 1
     check_extra: Optional[Callable[[Any], None]] = None
     fields: tuple[str, ...] = ()
     accepts_encode_scale: bool = False

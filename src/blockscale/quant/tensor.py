@@ -48,6 +48,31 @@ class QuantizedTensor:
         """Block scales in the cuBLAS / CUTLASS 128x4 tiled layout (see ``swizzle_scales``)."""
         return swizzle_scales(self.scales)
 
+    def rows(self, start: int, stop: int) -> "QuantizedTensor":
+        """Rows ``start:stop`` of a 2-D tensor blocked along its last dim (e.g. the up rows of a fused gate/up
+        weight), sharing storage: its codes and block scales for those rows, per-tensor fields as they are.
+        ``rows(a, b).dequantize()`` equals ``dequantize()[a:b]`` bit for bit. ValueError for another
+        shape, a tensor blocked along its rows (MX ``dim=0``), an empty or out-of-range slice, or one that
+        cuts a scale's row group (FP8 128x128 tiles: ``start`` and ``stop`` on multiples of 128, or stop = N)."""
+        fmt = format_of(self.spec, "q.spec")
+        if len(self.shape) != 2 or fmt.blocked_dim(self.spec) % 2 != 1:
+            raise ValueError(f"rows() needs a 2-D tensor blocked along its last dim; got shape {tuple(self.shape)} "
+                             f"blocked along dim {fmt.blocked_dim(self.spec)}")
+        N = self.shape[0]
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= N):
+            raise ValueError(f"rows({start!r}, {stop!r}): expected 0 <= start < stop <= {N}")
+        g = fmt.scale_rows(self.spec)
+        if g > 1 and (start % g or (stop % g and stop != N)):
+            raise ValueError(f"rows {start}:{stop}: one scale row covers {g} rows ({self.spec}); the slice must "
+                             f"start and end on multiples of {g} (or end at {N})")
+
+        def per_row(t):  # a field with one entry per row (outer scales per row), else shared
+            return t if t is None or t.dim() != 2 or t.shape[0] != N or N == 1 else t[start:stop]
+
+        scales = self.scales if g == 0 else self.scales[start // g:-(-stop // g)]
+        return replace(self, codes=self.codes[start:stop], scales=scales, shape=torch.Size((stop - start, self.shape[1])),
+                       outer_scale=per_row(self.outer_scale), amax=per_row(self.amax))
+
     @property
     def device(self) -> torch.device:
         return self.codes.device

@@ -15,7 +15,7 @@ import torch
 
 from ...errors import QuantizationError
 from ...nn.fused import fused_groups
-from ...nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
+from ...nn.gpt_oss_experts_layout import is_gpt_oss_experts
 from ..finite import non_finite_error
 from ..statistics import InputStatistics
 from .fold import fold_smoothing

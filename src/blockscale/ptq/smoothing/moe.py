@@ -42,8 +42,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ...nn.nvfp4_experts import fused_experts_layout, has_fused_expert_parameters
-from ...nn.nvfp4_gpt_oss_experts import is_gpt_oss_experts
+from ...nn.experts_layout import has_fused_expert_parameters
+from ...nn.fused_experts_layout import fused_experts_layout
+from ...nn.gpt_oss_experts_layout import is_gpt_oss_experts
 from .fold import check_scales, divide_norm
 from .groups import FLOAT_DTYPES, SmoothingGroup, check_norm_absorbs_scales
 from .slices import WeightSlice, _set_, divide_rows

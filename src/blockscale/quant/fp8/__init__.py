@@ -12,6 +12,12 @@ def block_size(spec: FP8) -> int:
     return spec.block_shape[1] if spec.granularity == "block" else 0
 
 
+def scale_rows(spec: FP8) -> int:
+    """Rows one row of a 2-D weight's scales covers: 0 per tensor (no row dim), 1 per channel / token /
+    1x128, 128 for 128x128 tiles."""
+    return 0 if spec.group_shape is None else spec.group_shape[0]
+
+
 FORMAT = register(Format(
     name="fp8",
     spec_type=FP8,
@@ -19,6 +25,7 @@ FORMAT = register(Format(
     dequantize=dequantize_fp8,
     layout=layout,
     block_size=block_size,
+    scale_rows=scale_rows,
     check_extra=check_no_extra,
     description="E4M3 / E5M2 codes, FP32 scale amax/max per tensor, channel, token or 128x128 / 1x128 block",
 ))
