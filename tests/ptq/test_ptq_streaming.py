@@ -293,15 +293,20 @@ def test_foreign_work_directory_is_never_touched(models, tmp_path):
     assert (wd / "notes.txt").read_text() == "mine"
 
 
-def test_cli_streaming(models, tmp_path, capsys):
+@pytest.mark.parametrize("flag", [[], ["--streaming"]], ids=["default", "explicit"])
+def test_cli_streaming(models, tmp_path, capsys, flag):
+    """A local safetensors directory streams by default (issue 31), the checkpoint that of --no-streaming."""
     from blockscale.cli.main import main
 
     out = tmp_path / "cli"
-    assert main(["quantize", str(models["llama"]), "--out", str(out), "--streaming", "--max-shard-size", "20KB"]) == 0
+    assert main(["quantize", str(models["llama"]), "--out", str(out), *flag, "--max-shard-size", "20KB"]) == 0
     text = capsys.readouterr().out
-    assert "layer 1/3 quantized and written" in text and "layer 3/3" in text
+    assert "layer 1/3 quantized and written" in text and "layer 3/3" in text and "(streaming)" in text
     ref = tmp_path / "ref"
-    assert main(["quantize", str(models["llama"]), "--out", str(ref), "--max-shard-size", "20KB"]) == 0
+    assert main(["quantize", str(models["llama"]), "--out", str(ref), "--no-streaming", "--max-shard-size",
+                 "20KB"]) == 0
+    text = capsys.readouterr().out
+    assert "layer 1/3" not in text and "not streaming" not in text and f"loading {models['llama']}" in text
     fa, fb = _files(out), _files(ref)
     assert list(fa) == list(fb)
     for name in fa:
@@ -313,10 +318,11 @@ def test_cli_streaming(models, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["stories260k", "--streaming"], "--streaming: MODEL stories260k must be a local Hugging Face model directory"),
-    (["LLAMA", "--resume"], "--resume needs --streaming"),
-    (["LLAMA", "--offload-activations", "x"], "--offload-activations needs --streaming"),
-    (["LLAMA", "--streaming", "--eval"], "--eval cannot be combined with --streaming"),
+    (["stories260k", "--streaming"], "--streaming: stories260k is not a transformers checkpoint"),
+    (["LLAMA", "--resume", "--no-streaming"], "--resume needs streaming"),
+    (["LLAMA", "--offload-activations", "x", "--no-streaming"], "--offload-activations needs streaming"),
+    (["LLAMA", "--resume", "--eval"], "--resume needs streaming, but --eval measures perplexity on the whole model"),
+    (["LLAMA", "--streaming", "--eval"], "--streaming: --eval measures perplexity on the whole model"),
 ])
 def test_cli_streaming_errors(models, tmp_path, capsys, argv, msg):
     from blockscale.cli.main import main
@@ -377,3 +383,14 @@ def test_peak_rss_is_flat_in_the_layers(tmp_path):
     assert streaming < 8 * layer, f"streaming peak +{streaming / 1e6:.0f} MB, one layer {layer / 1e6:.0f} MB"
     in_memory = peak("in-memory")
     assert in_memory > 16 * layer  # the bound above catches a materialized model
+
+
+def test_cli_falls_back_in_one_line_where_streaming_cannot_serve(tmp_path, capsys):
+    """stories260k is not a transformers checkpoint: the default path says so in one line and loads it whole."""
+    from blockscale.cli.main import main
+
+    assert main(["quantize", "stories260k", "--skip-indivisible", "--out", str(tmp_path / "o")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    notes = [ln for ln in lines if ln.startswith("not streaming")]
+    assert notes == ["not streaming stories260k: stories260k is not a transformers checkpoint; loading it whole"]
+    assert not any("quantized and written" in ln for ln in lines)

@@ -169,7 +169,7 @@ def test_old_checkpoints_extra_tensors_are_ignored_by_both_paths(tmp_path):
     sd = load_file(str(src / "model.safetensors"))
     sd.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)})
     save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
-    assert main(["quantize", str(src), "--out", str(tmp_path / "mem")]) == 0
+    assert main(["quantize", str(src), "--no-streaming", "--out", str(tmp_path / "mem")]) == 0
     assert main(["quantize", str(src), "--streaming", "--out", str(tmp_path / "str")]) == 0
     _same(tmp_path / "mem", tmp_path / "str")
 
@@ -219,8 +219,8 @@ def test_full_disk_during_export_is_one_line_and_writes_nothing(tmp_path, monkey
         raise OSError(28, "No space left on device")
 
     src = _save(tmp_path / "src")
-    monkeypatch.setattr(writer, "save_file", full)
-    assert main(["quantize", str(src), "--out", str(tmp_path / "out")]) == 1
+    monkeypatch.setattr(writer, "save_file", full)  # the in-memory export (streaming keeps its work directory)
+    assert main(["quantize", str(src), "--no-streaming", "--out", str(tmp_path / "out")]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("blockscale")]
     assert len(err) == 1 and "model.safetensors: no space left on device" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no temporary directory
@@ -235,7 +235,8 @@ def test_file_size_limit_during_export_is_one_line_and_writes_nothing(tmp_path):
     def child():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    p = subprocess.run([sys.executable, "-m", "blockscale.cli", "quantize", str(src), "--out", str(tmp_path / "out")],
+    p = subprocess.run([sys.executable, "-m", "blockscale.cli", "quantize", str(src), "--no-streaming", "--out",
+                        str(tmp_path / "out")],
                        capture_output=True, text=True, cwd=ROOT, preexec_fn=child, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "BLOCKSCALE_COMPILE_AFTER": "never"})
     err = [line for line in p.stderr.splitlines() if ": error: " in line]

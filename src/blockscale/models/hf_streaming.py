@@ -1,6 +1,7 @@
-"""A transformers causal LM built on the meta device from a local directory of safetensors shards, whose
-tensors are loaded on demand: the embeddings / final norm / head once, each decoder layer only while it
-is processed (streaming PTQ, ``ptq.streaming``).
+"""A transformers causal LM built on the meta device from a local directory of safetensors shards or a GGUF file
+(``models.gguf_tensors``: the architectures transformers reads tensor by tensor), whose tensors are loaded on
+demand: the embeddings / final norm / head once, each decoder layer only while it is processed (streaming PTQ,
+``ptq.streaming``).
 
 Loading goes through transformers' own engine, as ``from_pretrained`` does: the model class and its meta
 init context (``get_init_context``), the dtype plan, the checkpoint conversion mapping (Mixtral's per-expert
@@ -25,6 +26,27 @@ from .routing_config import check_model_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+
+def is_gguf(path) -> bool:
+    """Whether ``path`` names a GGUF file (by its suffix)."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def check_source(path: Path) -> None:
+    """UsageError / CheckpointError unless ``path`` is a source streaming can read: a local transformers
+    safetensors directory (``shard_files``) or a GGUF file of a streamable architecture."""
+    path = Path(path)
+    if is_gguf(path):
+        from .gguf_tensors import why_not_streamable
+
+        if not path.is_file():
+            raise UsageError(f"{path}: the GGUF file does not exist")
+        why = why_not_streamable(path)
+        if why is not None:
+            raise UsageError(f"{path}: {why}, so it cannot be streamed; load it whole (--no-streaming)")
+        return
+    shard_files(path)
 
 
 def shard_files(path: Path) -> dict[str, str]:
@@ -67,19 +89,30 @@ class StreamingModel:
         from transformers.utils.generic import ContextManagers
 
         self.path = Path(path)
-        self.files = shard_files(self.path)
-        config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
-
-        check_model_config(config, self.path / "config.json")
+        self.gguf = None
+        if is_gguf(self.path):  # the config from the file's metadata, as from_pretrained(gguf_file=...) reads it
+            check_source(self.path)
+            config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name, trust_remote_code=False)
+            check_model_config(config, self.path)
+            files, self.files = [str(self.path)], {}
+        else:
+            self.files = shard_files(self.path)
+            config = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+            check_model_config(config, self.path / "config.json")
+            files = sorted({str(self.path / f) for f in self.files.values()})
         cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
-        files = sorted({str(self.path / f) for f in self.files.values()})
         config, dtype = _get_dtype(dtype, files, config, None, None, True, None)
-        config.name_or_path = self.path
+        config.name_or_path = self.path.parent if is_gguf(self.path) else self.path  # from_pretrained: the directory
         config = __import__("copy").deepcopy(config)
         with ContextManagers(cls.get_init_context(dtype, False, False, None)):
             model = cls(config)
         self.model = model
         self.dtype = dtype
+        if is_gguf(self.path):
+            from .gguf_tensors import GGUFTensors
+
+            self.gguf = GGUFTensors(self.path, model, dtype)
+            self.files = dict.fromkeys(self.gguf.keys, self.path.name)
         self._config = LoadStateDictConfig(pretrained_model_name_or_path=str(self.path), dtype=dtype,
                                            dtype_plan=model._get_dtype_plan(dtype),
                                            weight_mapping=get_model_conversion_mapping(model, None, None))
@@ -145,7 +178,7 @@ class StreamingModel:
         keys = list(keys)
         self.bytes_read += sum(self._nbytes(k) for k in keys)
         self._open.clear()
-        state = {k: self._read(k) for k in keys}
+        state = self.gguf.read(keys) if self.gguf is not None else {k: self._read(k) for k in keys}
         from transformers.utils import logging as hf_logging
 
         bars = hf_logging.is_progress_bar_enabled()
@@ -164,6 +197,8 @@ class StreamingModel:
                                   f"{list(info.conversion_errors.values())[:1] or info.error_msgs[:1]}")
 
     def _nbytes(self, key: str) -> int:
+        if self.gguf is not None:
+            return self.gguf.nbytes(key)
         s = self._slice(key)
         n = 1
         for d in s.get_shape():
@@ -247,4 +282,4 @@ def real_bytes(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["StreamingModel", "real_bytes", "release", "shard_files", "warn_ignored"]
+__all__ = ["StreamingModel", "check_source", "is_gguf", "real_bytes", "release", "shard_files", "warn_ignored"]

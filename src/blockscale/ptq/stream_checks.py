@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import CheckpointError, UsageError
-from ..models.hf_streaming import shard_files
+from ..models.hf_streaming import check_source, is_gguf
 
 
 def _inside(a: Path, b: Path) -> bool:
@@ -48,13 +48,13 @@ def resumed_offload(state: dict, acts: Optional[Path], given) -> Optional[Path]:
 
 
 def check_streaming_source(model: str) -> Path:
-    """``model`` as the local transformers safetensors directory ``--streaming`` needs (UsageError otherwise)."""
+    """``model`` as a source streaming reads: a local transformers safetensors directory or a GGUF file of a
+    streamable architecture (UsageError otherwise)."""
     p = Path(model).expanduser()
-    if not p.is_dir():
+    if not p.is_dir() and not is_gguf(p):
         raise UsageError(f"--streaming: MODEL {model} must be a local Hugging Face model directory of safetensors "
-                         "shards (config.json + model*.safetensors); built-in names, .gguf files and hub names are "
-                         "not streamed: convert or download them first")
-    shard_files(p)
+                         "shards (config.json + model*.safetensors) or a .gguf file")
+    check_source(p)
     return p.absolute()
 
 

@@ -16,7 +16,7 @@ from ..errors import CheckpointError, UsageError
 from ..export import export_checkpoint, format_named, layer_tensors
 from ..export.destination import check_output
 from ..export.writer import parse_size
-from ..models.hf_streaming import StreamingModel, release, shard_files
+from ..models.hf_streaming import StreamingModel, check_source, release
 from . import stream_skeleton
 from .capture import decoder_layers, run_layer
 from .config import PTQConfig
@@ -51,7 +51,7 @@ def _kept(_name: str, t: torch.Tensor) -> bool:
 
 class StreamingQuantizer:
     """One streaming PTQ run of the transformers model in ``source_dir`` (a local directory: config.json +
-    safetensors shards) to the checkpoint ``out_dir`` (arguments: as ``quantize_streaming``). Call
+    safetensors shards; or a GGUF file of a streamable architecture) to the checkpoint ``out_dir`` (arguments: as ``quantize_streaming``). Call
     ``resume()``, then ``process_layer(i)`` for each layer from the index it returns, in order, then
     ``export()``; or ``run()``. The constructor raises for a wrong argument before anything is written."""
 
@@ -70,7 +70,7 @@ class StreamingQuantizer:
         check_recipe_exportable(config.ptq_recipe, self.fmt.name)
         parse_size(options.max_shard_size)
         self.source = Path(source_dir).expanduser().absolute()
-        shard_files(self.source)
+        check_source(self.source)
         self.out = check_output(out_dir, options.overwrite, self.source)
         self.src = StreamingModel(self.source, options.dtype)
         self.model = self.src.model

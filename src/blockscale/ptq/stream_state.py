@@ -98,11 +98,11 @@ def file_sha256(path: Path, on_bytes: Optional[Callable[[int], None]] = None) ->
 
 
 def source_files(source: Path, recorded: Optional[dict] = None, progress: bool = False) -> dict:
-    """{shard name: {"stat": [...], "sha256": hex}} of the safetensors files in ``source`` (see the module
-    docstring); ``recorded``: the same of an earlier run, whose digests are reused for unchanged files."""
+    """{shard name: {"stat": [...], "sha256": hex}} of the safetensors files in ``source`` (a GGUF file: of it; see
+    the module docstring); ``recorded``: the same of an earlier run, whose digests are reused for unchanged files."""
     recorded = recorded if isinstance(recorded, dict) else {}
     out, todo = {}, []
-    for p in sorted(source.glob("*.safetensors")):
+    for p in [source] if source.is_file() else sorted(source.glob("*.safetensors")):
         with reading(p, "model file"):
             st = p.stat()
         key = _stat_key(st)
@@ -138,9 +138,10 @@ def fingerprint(config_dict: dict, fmt: str, dtype, device, source: Path, calibr
     """{part: SHA-256} of what the layers' results depend on (see the module docstring), parts "ptq",
     "format", "source" and "calibration", and "digest" over all; ``files``: the ``source_files`` of
     ``source`` (computed when not given)."""
-    src = {"config.json": (source / "config.json").read_bytes().decode("utf-8", "replace")}
+    # a GGUF file holds its config: its digest (in the shards) covers it
+    src = {} if source.is_file() else {"config.json": (source / "config.json").read_bytes().decode("utf-8", "replace")}
     index = source / "model.safetensors.index.json"
-    if index.is_file():
+    if not source.is_file() and index.is_file():
         src["index"] = index.read_bytes().decode("utf-8", "replace")
     files = source_files(source) if files is None else files
     src["shards"] = sorted((name, f["stat"][0], f["sha256"]) for name, f in files.items())
