@@ -16,6 +16,7 @@ path's architectures are not: their callers load them whole.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -38,13 +39,25 @@ def _reader(path: Path):
             raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
 
 
-def _architecture(reader) -> str:
+def _index(path: Path) -> tuple:
+    """(architecture, [(name, byte offset, numpy dtype, array shape, GGML type, torch shape)]) of the GGUF file,
+    parsed once per file version (``GGUFReader`` takes seconds on a large vocabulary), the mapping dropped."""
+    st = Path(path).stat()
+    return _index_of(str(Path(path).absolute()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _index_of(path: str, _size: int, _mtime: int) -> tuple:
     from transformers.modeling_gguf_pytorch_utils import read_field
 
+    reader = _reader(Path(path))
     arch = read_field(reader, "general.architecture")
     if not arch:
-        raise CheckpointError("the GGUF file has no general.architecture")
-    return str(arch[0])
+        raise CheckpointError(f"{path}: the GGUF file has no general.architecture")
+    tensors = [(t.name, int(t.data_offset), t.data.dtype, tuple(t.data.shape), t.tensor_type,
+                tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors]
+    del reader
+    return str(arch[0]), tensors
 
 
 def why_not_streamable(path: Path) -> Optional[str]:
@@ -56,7 +69,7 @@ def why_not_streamable(path: Path) -> Optional[str]:
         from transformers.integrations.gguf import GGUF_ARCHS
     except ImportError:  # transformers without the packed-GGUF path
         GGUF_ARCHS = {}
-    arch = _architecture(_reader(path))
+    arch = _index(path)[0]
     if arch in GGUF_ARCHS:
         return f"GGUF architecture {arch!r} loads through transformers' packed-GGUF path"
     proc = TENSOR_PROCESSORS.get(arch, TensorProcessor)
@@ -80,19 +93,17 @@ class GGUFTensors:
         self.path, self.dtype = Path(path), dtype
         with reading(path, "GGUF file"):
             config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-        reader = _reader(path)
-        self.processor = TENSOR_PROCESSORS.get(_architecture(reader), TensorProcessor)(config=config)
+        arch, tensors = _index(path)
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
         mapping = get_gguf_hf_weights_map(model, self.processor)
         self.keys: dict[str, str] = {}
         self._shapes: dict[str, tuple] = {}
         self._where: dict[str, tuple] = {}  # key -> (byte offset, numpy dtype, array shape, GGML type)
-        for t in reader.tensors:
-            if t.name in mapping:
-                key = mapping[t.name]
-                self.keys[key] = t.name
-                self._shapes[key] = tuple(int(d) for d in reversed(t.shape.tolist()))
-                self._where[key] = (int(t.data_offset), t.data.dtype, tuple(t.data.shape), t.tensor_type)
-        del reader
+        for name, offset, dtype, shape, ggml_type, torch_shape in tensors:
+            if name in mapping:
+                key = mapping[name]
+                self.keys[key], self._shapes[key] = name, torch_shape
+                self._where[key] = (offset, dtype, shape, ggml_type)
 
     def nbytes(self, key: str) -> int:
         n = 1
