@@ -8,7 +8,6 @@ built-in name or a hub name (org/name), never a local path.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, check_device,
@@ -16,7 +15,12 @@ from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_
 from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, local_path,
                      resolve_ptq_recipe, setup, show_progress)
 from ..export.common import jsonable
+from .learn_scales_sharded import (add_sharding_flags, check_sharding_flags, sharded_checkpoint_student,
+                                   sharded_teacher, sharding_note, streamed_student, teacher_dtype)
+from .learn_scales_teacher import (check_loaded_vocabulary, resolve_model_teacher, resolve_teacher, same_model,
+                                   teacher_from_metadata)
 from .quantize import method_names, quantize_reported, skip_indivisible
+from .ranks import is_main_rank
 from ..errors import UsageError
 
 DEFAULT_LR_SCALES = 3e-3  # --param amax: docs/results/scale-learning.md
@@ -45,73 +49,9 @@ def scales_stuck(steps_per_scale_step: float, steps: int) -> bool:
     return steps_per_scale_step > steps
 
 
-HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-def teacher_from_metadata(ckpt: Path, recorded) -> str:
-    """The recorded source model of ``ckpt`` when it is a built-in or hub name that is not also a local path."""
-    from ..models.hf import BUILTIN_MODELS
-
-    if recorded is None:
-        raise UsageError(f"--teacher-from-metadata: the metadata of {ckpt} names no source model; pass --teacher "
-                         "MODEL (the full-precision model)")
-    builtin = recorded.lower() in BUILTIN_MODELS or recorded.lower() == "smollm2"
-    hub = bool(HUB_NAME.fullmatch(recorded)) and ".." not in recorded
-    if not (builtin or hub) or Path(recorded).expanduser().exists():
-        raise UsageError(f"--teacher-from-metadata: the metadata of {ckpt} names {recorded!r}, which is not a "
-                         "built-in or hub model name (a local path from metadata is never loaded); pass --teacher "
-                         "MODEL")
-    return recorded
-
-
-def _given_teacher(args):
-    """--teacher, checked as a model argument; None when not given."""
-    if not args.teacher:
-        return None
-    check_model(args.teacher, "--teacher")
-    return args.teacher
-
-
-def resolve_teacher(args, ckpt: Path) -> str:
-    """The teacher of a checkpoint input: --teacher, or with --teacher-from-metadata the recorded name."""
-    from ..models.hf import source_model
-
-    if args.teacher and args.teacher_from_metadata:
-        raise UsageError("--teacher and --teacher-from-metadata both name the teacher: give one of them")
-    teacher = _given_teacher(args)
-    if teacher:
-        return teacher
-    recorded = source_model(ckpt)
-    if args.teacher_from_metadata:
-        return teacher_from_metadata(ckpt, recorded)
-    if recorded is None:
-        raise UsageError(f"{ckpt} is a quantized checkpoint: pass the full-precision teacher with --teacher MODEL")
-    raise UsageError(f"{ckpt} is a quantized checkpoint: pass the full-precision teacher with --teacher MODEL (its "
-                     f"metadata names the source model {recorded!r}; pass --teacher-from-metadata to use that name)")
-
-
 def default_ckpt_interval(steps: int) -> int:
     """--ckpt-interval when not given: a tenth of the run, at least every step and at most every 50."""
     return max(1, min(50, steps // 10))
-
-
-def resolve_model_teacher(args) -> str:
-    """The teacher of a model-name input: --teacher (a model that shares its tokenizer), else the model itself."""
-    if args.teacher_from_metadata:
-        raise UsageError("--teacher-from-metadata: only with a quantized checkpoint input (its metadata names the "
-                         f"source model); {args.model} is a model, its own teacher unless --teacher says otherwise")
-    return _given_teacher(args) or args.model
-
-
-def same_model(a: str, b: str) -> bool:
-    """Whether two model arguments name the same model (one name, or paths to one file or directory)."""
-    if a == b:
-        return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    try:
-        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
-    except OSError:
-        return False
 
 
 def _rank_device(device: str) -> str:
@@ -140,20 +80,6 @@ def _init_recipe(args, is_ckpt: bool):
     return recipe.with_nvfp4(scale_rule=args.scale_rule) if args.scale_rule else recipe
 
 
-def check_loaded_vocabulary(model: str, teacher: str, student_lm, teacher_lm, compare_tokenizers: bool) -> None:
-    """After loading (for what the configs did not say): the teacher's vocabulary is the student's; with
-    ``compare_tokenizers`` also their tokenizers' token -> id maps, when both have transformers tokenizers."""
-    from ..models.vocabulary import check_same_vocabulary, model_vocab_size
-
-    maps = [None, None]
-    if compare_tokenizers:
-        toks = [getattr(lm.tokenizer, "hf", None) for lm in (student_lm, teacher_lm)]
-        if all(t is not None and hasattr(t, "get_vocab") for t in toks):
-            maps = [t.get_vocab() for t in toks]
-    check_same_vocabulary(model, teacher, model_vocab_size(student_lm.model), model_vocab_size(teacher_lm.model),
-                          *maps)
-
-
 def _check_schedule_flags(args) -> None:
     """Combinations of the schedule / dual / input-scale flags, before anything is loaded."""
     if args.warmup_steps is not None and args.warmup_steps and args.warmup_steps >= args.steps:
@@ -176,24 +102,13 @@ def _check_flags(args) -> str:
                          "blockscale.cli learn-scales ...); without torchrun drop --fsdp")
     _check_schedule_flags(args)
     device = _rank_device(check_device(args.device))
+    check_sharding_flags(args, device)
     check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="training tokens")
     check_product(("--batch-size", args.batch_size), ("--seq-len", args.seq_len), what="tokens per micro step")
     check_text(args.data, "--data")
     if args.eval not in (None, "default"):
         check_text(args.eval, "--eval")
     return device
-
-
-def _open_checkpoint_student(args, teacher_name: str, device: str):
-    """(student, teacher, tokenizer, latent weights, PTQ report) of a checkpoint input: its latent weights are
-    its dequantized ones (None), the tokenizer the teacher's (the checkpoint's own may be absent)."""
-    from ..models.hf import load_model
-    from ..ptq.pipeline import open_model
-
-    student_lm = open_model(args.model, device=device, verify=not args.no_verify)
-    teacher_lm = load_model(teacher_name, device=device)
-    check_loaded_vocabulary(args.model, teacher_name, student_lm, teacher_lm, compare_tokenizers=False)
-    return student_lm.model, teacher_lm.model, teacher_lm.tokenizer, None, None
 
 
 def _ptq_config(args, recipe):
@@ -288,23 +203,44 @@ def _evaluator(args, tokenizer, defaults):
                                        defaults.ctx, defaults.bos, args.max_eval_tokens)
 
     def evaluate(model, tag: str) -> dict:
-        if tag == "before":
+        if tag == "before" and lsq.is_main_rank():  # (a warning only: rank 0 says it)
             check_eval_ctx("blockscale learn-scales", model, defaults.ctx, False)
         rec = measure(model, tag)
-        print(f"perplexity {tag}: {rec['ppl']:.4f} ({rec['tokens_evaluated']} tokens of {rec['source']})", flush=True)
+        if lsq.is_main_rank():  # (a sharded student is evaluated by every rank together)
+            print(f"perplexity {tag}: {rec['ppl']:.4f} ({rec['tokens_evaluated']} tokens of {rec['source']})",
+                  flush=True)
         return rec
 
     return evaluate
 
 
-def _recover(args, student, teacher, tokenizer, weights, defaults, dcfg, record: dict, out: Path):
+def _recovery_config(args, dcfg):
+    from .. import lsq
+
+    return lsq.RecoveryConfig(dcfg, mode=args.mode, param=args.param, dual_form=args.dual_form,
+                              learn_input_scales=args.learn_input_scales)
+
+
+def _on_enabled(args, lr_scales: float, enabled: bool):
+    """After the scales are trainable: the --lr-scales line and (a student not sharded yet) activation
+    checkpointing of its decoder blocks."""
+    from ..train.fsdp import checkpoint_blocks
+
+    def on_enabled(model):
+        _print_scale_steps(args, model, lr_scales)
+        if args.activation_checkpointing and not enabled:
+            checkpoint_blocks(model)
+    return on_enabled
+
+
+def _recover(args, student, teacher, tokenizer, weights, defaults, dcfg, record: dict, out: Path,
+             enabled: bool = False):
     """``lsq.recover`` with the flags' options; its errors in the command line's words."""
     from .. import lsq
     from ..data.text_sources import calibration_batches
     from ..train import TrainingDivergedError
 
-    config = lsq.RecoveryConfig(dcfg, mode=args.mode, param=args.param, dual_form=args.dual_form,
-                                learn_input_scales=args.learn_input_scales)
+    config = _recovery_config(args, dcfg)
 
     def tokens():  # drawn once the scales are trainable (after the --lr-scales line)
         return calibration_batches(tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
@@ -313,8 +249,8 @@ def _recover(args, student, teacher, tokenizer, weights, defaults, dcfg, record:
     try:
         return lsq.recover(student, teacher, tokens, config, weights=weights,
                            evaluate=_evaluator(args, tokenizer, defaults),
-                           on_enabled=lambda model: _print_scale_steps(args, model, dcfg.lr_scales),
-                           resume=args.resume, record=record, force=args.force, progress=show_progress())
+                           on_enabled=_on_enabled(args, dcfg.lr_scales, enabled), resume=args.resume,
+                           record=record, force=args.force, progress=show_progress(), enabled=enabled)
     except lsq.ScaleSetupError as err:
         if not args.learn_input_scales:
             raise err.__cause__ from None
@@ -342,8 +278,65 @@ def _export(args, student, tokenizer, out: Path, teacher_name: str, own_teacher:
                              extra_files={"lsq_report.json": jsonable(report)})
 
 
+def _teacher(args, teacher_name: str, sharded: bool, device: str):
+    """(teacher model, its tokenizer) of a run whose student was not loaded with it: built sharded (``--fsdp``
+    and a streamable source) or loaded whole in --teacher-dtype."""
+    from ..models.hf import load_model
+
+    if sharded:
+        from ..models.hf import open_tokenizer
+        from ..models.hf_streaming import is_gguf
+        from .quantize_streaming import streaming_source
+
+        teacher, _ = sharded_teacher(teacher_name, args, device)
+        src = streaming_source(teacher_name)
+        return teacher, open_tokenizer(src.parent, gguf_file=src.name) if is_gguf(src) else open_tokenizer(src)
+    lm = load_model(teacher_name, device=device, dtype=teacher_dtype(args))
+    return lm.model, lm.tokenizer
+
+
+def _learn(args, is_ckpt, recipe, teacher_name, own_teacher, defaults, device, dcfg, out, student_sharded,
+           teacher_sharded):
+    """Build student and teacher (sharded as they are built where ``*_sharded``), then ``_recover``; returns
+    (recovery result, student, tokenizer, PTQ report)."""
+    from ..models.vocabulary import check_same_vocabulary, model_vocab_size
+
+    record = _run_record(args, is_ckpt, recipe, teacher_name)
+    weights, enabled, recovery = None, False, _recovery_config(args, dcfg)
+    if is_ckpt:  # the quantized student whole on every rank (its packed codes), its scales enabled block by block
+        from ..ptq.pipeline import open_model
+
+        student, ptq_report = open_model(args.model, device=device, verify=not args.no_verify).model, None
+        teacher, tokenizer = _teacher(args, teacher_name, teacher_sharded, device)
+        check_same_vocabulary(args.model, teacher_name, model_vocab_size(student), model_vocab_size(teacher))
+        if args.fsdp:
+            student, enabled = sharded_checkpoint_student(student, recovery, args), True
+    elif student_sharded:
+        built, tokenizer, ptq_report = streamed_student(args, _ptq_config(args, recipe), defaults, recovery,
+                                                        show_progress() and is_main_rank())
+        student, enabled = built.model, True
+        if built.dequantized and is_main_rank():
+            print(f"latent weights: {len(built.dequantized)} Linears start from their dequantized weights (the "
+                  "PTQ method's codes are not a rounding of one weight)", flush=True)
+        teacher, _ = _teacher(args, teacher_name, teacher_sharded, device)
+        if not own_teacher:
+            check_same_vocabulary(args.model, teacher_name, model_vocab_size(student), model_vocab_size(teacher))
+    else:
+        student, teacher, tokenizer, weights, ptq_report = _quantized_student(args, teacher_name, own_teacher,
+                                                                               recipe, defaults, device)
+        if args.teacher_dtype != "fp32":
+            teacher.to(teacher_dtype(args))
+    if tokenizer is None:
+        raise UsageError(f"learn-scales trains on text, but {teacher_name if is_ckpt else args.model} has no "
+                         "tokenizer (save one next to the weights)")
+    result = _recover(args, student, teacher, tokenizer, weights, defaults, dcfg, record, out, enabled=enabled)
+    return result, student, tokenizer, ptq_report
+
+
 def cmd_learn_scales(args) -> int:
+    from .. import lsq
     from ..models.hf import is_blockscale_checkpoint
+    from ..train.distributed import cleanup_distributed, setup_distributed
     from ..models.vocabulary import check_same_vocabulary, declared_vocab_size
     from ..ptq.pipeline import default_texts
 
@@ -359,20 +352,20 @@ def cmd_learn_scales(args) -> int:
     out = check_out(args.out, overwrite=args.overwrite, sources=[local_path(args.model), local_path(teacher_name)])
     train_dir = check_run_dir(str(out) + ".train", "--out")
     defaults = default_texts(args.model)
-    if is_ckpt:
-        student, teacher, tokenizer, weights, ptq_report = _open_checkpoint_student(args, teacher_name, device)
-    else:
-        student, teacher, tokenizer, weights, ptq_report = _quantized_student(args, teacher_name, own_teacher,
-                                                                               recipe, defaults, device)
-    if tokenizer is None:
-        raise UsageError(f"learn-scales trains on text, but {teacher_name if is_ckpt else args.model} has no "
-                         "tokenizer (save one next to the weights)")
     dcfg = _distill_config(args, train_dir)
-    report = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train, "ptq": ptq_report}
-    result = _recover(args, student, teacher, tokenizer, weights, defaults, dcfg,
-                      _run_record(args, is_ckpt, recipe, teacher_name), out)
+    student_sharded, teacher_sharded, note = sharding_note(args, is_ckpt, teacher_name)
+    if note and lsq.is_main_rank():
+        print(note, flush=True)
+    info = setup_distributed(device) if student_sharded or teacher_sharded else None
+    try:
+        result, student, tokenizer, ptq_report = _learn(args, is_ckpt, recipe, teacher_name, own_teacher, defaults,
+                                                        device, dcfg, out, student_sharded, teacher_sharded)
+    finally:
+        if info is not None:
+            cleanup_distributed(info)
     if not result.main_rank:
         return 0
+    report = {"model": args.model, "teacher": teacher_name, "mode": args.mode, "train": args.train, "ptq": ptq_report}
     report["distill"] = result.distill
     if result.evaluations:  # as in quantize's ptq_report.json: no key without --eval (the metadata says null)
         report["perplexity"] = result.evaluations
@@ -460,11 +453,13 @@ def add_learn_scales(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out directory if it is a blockscale checkpoint")
     p.add_argument("--fsdp", action="store_true",
-                   help="under torchrun (>= 2 processes): shard student and teacher with FSDP2 instead of DDP "
-                        "(sharded checkpoints OUT.train/latest.dcp; docs/lsq.md)")
+                   help="under torchrun (>= 2 processes): shard student and teacher with FSDP2 instead of DDP, each "
+                        "built shard by shard so no rank holds the whole model (sharded checkpoints "
+                        "OUT.train/latest.dcp; docs/lsq.md)")
     p.add_argument("--fsdp-param-dtype", default="fp32", choices=("fp32", "bf16"),
                    help="mixed precision of --fsdp for everything but the LSQ learners (always fp32); gradients are "
                         "reduced in fp32")
+    add_sharding_flags(p)
     add_common(p)
     p.set_defaults(func=cmd_learn_scales)
 

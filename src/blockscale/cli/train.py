@@ -43,7 +43,11 @@ _HELP = {"autocast": "bf16 autocast: auto (on CUDA with bf16 support), bf16 (als
          "fsdp": "shard with FSDP2 per decoder block instead of DDP (under torchrun, >= 2 processes; sharded "
                  "checkpoints in <out>/ckpt.dcp; docs/recipes.md, FSDP2)",
          "fsdp_param_dtype": "mixed precision of --fsdp: parameters all-gathered in fp32 (no casts) or bf16; "
-                             "gradients reduced in fp32"}
+                             "gradients reduced in fp32",
+         "fsdp_cpu_offload": "with --fsdp on GPUs: FSDP2's CPU offload policy (shards and optimizer state in CPU "
+                             "memory, each unit copied to the GPU for its forward / backward)",
+         "activation_checkpointing": "recompute each decoder block's activations in backward instead of keeping "
+                                     "them (less memory, about one more forward of time)"}
 _BOOL_HELP = {"progress": "no progress bars", "plot": "do not write <out>/loss.png"}
 
 
@@ -89,7 +93,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 
 def _flag_label(name: str, value) -> str:
-    """How a TrainConfig value is named in errors: its flag and the value given (``--min-lr nan``)."""
+    """How a TrainConfig value is named in errors: its flag and the value given (``--min-lr nan``; a switch
+    given: its flag alone)."""
+    if value is True:
+        return _FLAGS.get(name, flag_name(name))
     shown = " ".join(f"{v:g}" for v in value) if isinstance(value, (tuple, list)) else \
         f"{value:g}" if isinstance(value, float) else str(value)
     return f"{_FLAGS.get(name, flag_name(name))} {shown}"
@@ -102,14 +109,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def build_model(preset: str, vocab_size: int, seq_len: int, seed: int) -> torch.nn.Module:
-    """A Llama from ``PRESETS[preset]`` with the data's vocabulary and room for ``seq_len``."""
+def build_model(preset: str, vocab_size: int, seq_len: int, seed: int, meta: bool = False) -> torch.nn.Module:
+    """A Llama from ``PRESETS[preset]`` with the data's vocabulary and room for ``seq_len``; ``meta``: on the
+    meta device (--fsdp: each rank fills its own shards with the seed's values, ``train.fsdp_source``)."""
     from ..models.llama import PRESETS, Llama
 
     if preset not in PRESETS:
         raise UsageError(f"--model-preset {preset!r}: expected one of {', '.join(PRESETS)}")
     base = PRESETS[preset]
     config = dataclasses.replace(base, vocab_size=vocab_size, max_seq_len=max(base.max_seq_len, seq_len))
+    if meta:
+        with torch.device("meta"):
+            return Llama(config, seed=seed)
     return Llama(config, seed=seed)
 
 
@@ -135,6 +146,11 @@ def _check_args(args):
     if cfg.fsdp and env_world()[1] < 2:
         raise UsageError("--fsdp needs a torchrun job with at least 2 processes (torchrun --nproc_per_node 2 -m "
                          "blockscale.train ...); without torchrun drop --fsdp")
+    if cfg.fsdp_cpu_offload:
+        from ..train.device import resolve_device
+        from ..train.fsdp import check_cpu_offload
+
+        check_cpu_offload(True, resolve_device(cfg.device, env_world()[2], env_world()[1]))
     return cfg, recipe
 
 
@@ -162,7 +178,7 @@ def _run(args) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     data = _load(args, cfg)
-    model = build_model(args.model_preset, data.vocab_size, cfg.seq_len, cfg.seed)
+    model = build_model(args.model_preset, data.vocab_size, cfg.seq_len, cfg.seed, meta=cfg.fsdp)
     record = {"recipe": recipe_to_dict(recipe) if recipe is not None else None,
               "model": dataclasses.asdict(model.config)}
     rank = env_world()[0]

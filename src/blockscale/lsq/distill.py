@@ -34,7 +34,8 @@ from torch import nn
 from ..eval.next_token import model_device, next_token_loss, output_logits
 from ..train import CheckpointContents, DistInfo, LoopConfig, StepReport, derive_seed, run_training
 from ..train.distributed import cleanup_distributed, join_distributed
-from ..train.fsdp import check_fsdp_options, require_distributed, shard_model, unshard_model
+from ..train.fsdp import check_fsdp_options, is_sharded, require_distributed, shard_model, unshard_model
+from .quantizer import ignore_fsdp_view_warning
 from .enable import learner_modules, lsq_layers, scale_parameters, weight_parameters
 from .parameterisation import PRE_PARAMETER_NAMES
 
@@ -216,13 +217,24 @@ def steps_per_scale_step(model: nn.Module, lr: float, max_samples: int = 1 << 20
     learners = learner_modules(model)
     if not learners:
         raise ValueError("model has no LSQ amax parameters: run blockscale.lsq.enable(model, ...) first")
-    flat = torch.cat([m.amaxes()[0].detach().flatten() for m in learners])
+    flat = torch.cat([_first_amax(m).detach().flatten() for m in learners])
     if flat.numel() > max_samples:
         flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:max_samples]]
     med = float(flat.float().median())
     if all(m.param == "log" for m in learners):
         return med, math.log1p(0.0625) / lr
     return med, 0.0625 * med / lr
+
+
+def _first_amax(learner: nn.Module) -> torch.Tensor:
+    """The learner's (pre) amaxes; sharded by FSDP (outside forward its parameters are this rank's rows):
+    the initial amaxes (param "log": a buffer, whole) or this rank's rows of the raw amaxes."""
+    from torch.distributed.tensor import DTensor
+
+    p = getattr(learner, learner.parameter_names()[0])
+    if isinstance(p, DTensor):
+        return learner.amax_init if learner.param == "log" else p.to_local()
+    return learner.amaxes()[0]
 
 
 # ----------------------------------------------------------------------------- the task on the one loop
@@ -285,6 +297,7 @@ class DistillTask:
     def fsdp_units(self, student: nn.Module) -> list[nn.Module]:
         """FSDP units of their own, FP32 whatever fsdp_param_dtype says: every LSQ learner (its latent weight
         and block amaxes; a bf16 amax would move its E4M3 scales)."""
+        ignore_fsdp_view_warning()
         return learner_modules(student)
 
     def lr(self, step: int) -> None:
@@ -381,7 +394,9 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
 
 def _distill_fsdp(student, teacher, task, loop, cfg, eval_tokens, resume, record, force):
     """run_training with ``loop.fsdp``, the frozen teacher sharded too (per block, then the root) and
-    unsharded again at the end; joins (and leaves) the torchrun job around both."""
+    unsharded again at the end; joins (and leaves) the torchrun job around both. A student or teacher
+    handed in sharded already (built shard by shard: ``lsq.sharded_student``, ``train.fsdp_source``) stays
+    sharded: the caller gathers the student block by block (``train.fsdp.unshard_blockwise``)."""
     info = join_distributed(model_device(student))
     try:
         require_distributed(info)
@@ -391,13 +406,16 @@ def _distill_fsdp(student, teacher, task, loop, cfg, eval_tokens, resume, record
         teacher.eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
+        given_sharded = is_sharded(teacher)  # (built sharded: it stays so, never gathered whole)
         shard_model(teacher, cfg.fsdp_param_dtype)
         try:
             return run_training(student, task, dataclasses.replace(loop, fsdp=True,
-                                                                   fsdp_param_dtype=cfg.fsdp_param_dtype),
+                                                                   fsdp_param_dtype=cfg.fsdp_param_dtype,
+                                                                   fsdp_keep_sharded=is_sharded(student)),
                                 model_device(student), resume=resume, record=record, force=force)
         finally:
-            unshard_model(teacher)
+            if not given_sharded:
+                unshard_model(teacher)
     finally:
         cleanup_distributed(info)
 

@@ -159,6 +159,15 @@ def _amax_for_scales(s_e: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("could not find an amax reproducing the chosen E4M3 block scales")  # pragma: no cover
 
 
+def ignore_fsdp_view_warning() -> None:
+    """FSDP2 warns when a unit returns a view (an in-place op on it would skip its hooks). A sharded scale
+    learner returns the fake-quantized weight as a reshape (a view), which its consumers (``LSQLinear``,
+    ``LSQExperts``) only read out of place: that one warning is silenced, for the learner classes only."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w*ScaleLearner\) returned a view tensor")
+
+
 class NVFP4ScaleLearner(BlockAmaxes, nn.Module):
     """A learnable NVFP4 fake quantizer of one weight [N, K] (K a multiple of 16).
 

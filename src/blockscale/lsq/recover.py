@@ -20,6 +20,7 @@ from torch import nn
 from ..ptq import PTQConfig, PTQReport
 from ..ptq.pipeline import calibrate_and_quantize, evaluate_ppl, record_dict
 from ..train.distributed import env_world
+from ..train.fsdp import is_sharded, unshard_blockwise
 from .distill import DistillConfig, distill
 from .enable import enable, exact_latent_weights, freeze
 from .recovery import RECOVERY_ENABLE
@@ -122,7 +123,8 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
             config: RecoveryConfig = RecoveryConfig(), *, weights: Union[nn.Module, dict, None] = None,
             evaluate: Optional[Callable[[nn.Module, str], object]] = None,
             on_enabled: Optional[Callable[[nn.Module], None]] = None, resume: bool = False,
-            record: Optional[dict] = None, force: bool = False, progress: bool = True) -> RecoveryResult:
+            record: Optional[dict] = None, force: bool = False, progress: bool = True,
+            enabled: bool = False) -> RecoveryResult:
     """Learn the block scales of the PTQ-quantized ``student`` (in place) by distillation from ``teacher``.
 
     In order: ``enable(student, init="stored", weights=weights, ...)`` with ``config``'s options (its
@@ -130,22 +132,32 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
     integer tensor [n, T], or a function drawing them, called here), ``evaluate(student, "before")``,
     ``lsq.distill`` (``resume`` / ``record`` / ``force`` / ``progress`` as there), ``evaluate(student,
     "after")`` and ``freeze(student)``. Under torchrun only rank 0 evaluates and freezes (``main_rank``).
-    A run that diverges raises ``train.TrainingDivergedError``."""
-    try:
-        enable(student, mode=config.mode, init="stored", weights=weights, param=config.param,
-               dual_form=config.dual_form, learn_input_scales=config.learn_input_scales)
-    except ValueError as err:
-        raise ScaleSetupError(str(err)) from err
+    A run that diverges raises ``train.TrainingDivergedError``.
+    ``enabled``: the student's scales are trainable already (``lsq.sharded_student``: enabled and sharded
+    layer by layer; ``weights`` unused). A student sharded with FSDP2 is evaluated "before" by every rank
+    together and gathered at the end block by block, each block frozen on rank 0 as it arrives
+    (``train.fsdp.unshard_blockwise``): no rank ever holds the whole FP32 student."""
+    if not enabled:
+        try:
+            enable(student, mode=config.mode, init="stored", weights=weights, param=config.param,
+                   dual_form=config.dual_form, learn_input_scales=config.learn_input_scales)
+        except ValueError as err:
+            raise ScaleSetupError(str(err)) from err
     if on_enabled is not None:
         on_enabled(student)
     if callable(tokens):
         tokens = tokens()
     main_rank = is_main_rank()
+    sharded = is_sharded(student)
     evaluations = {}
-    if evaluate is not None and main_rank:
-        evaluations["before"] = evaluate(student, "before")
+    if evaluate is not None and (main_rank or sharded):  # (sharded: a forward needs every rank)
+        before = evaluate(student, "before")
+        if main_rank:
+            evaluations["before"] = before
     summary = distill(student, teacher, tokens, config.distill, resume=resume, progress=progress, record=record,
                       force=force)
+    if sharded:  # each block gathered, frozen on rank 0 (its latent weights become codes), dropped elsewhere
+        unshard_blockwise(student, on_block=freeze if main_rank else None, keep=main_rank)
     if not main_rank:
         return RecoveryResult(summary, evaluations, main_rank=False)
     if evaluate is not None:

@@ -124,14 +124,17 @@ class StreamingModel:
         meta = model.state_dict()
         self.target: dict[str, str] = {}  # checkpoint key -> model key
         self.ignored: list[str] = []  # checkpoint keys no parameter or buffer takes (RoPE inv_freq of old exports)
+        self.converted: set[str] = set()  # model keys a WeightConverter builds (e.g. experts merged per layer)
         for k in self.files:
-            t, _ = rename_source_key(k, renamings, converters, model.base_model_prefix, meta)
+            t, converter = rename_source_key(k, renamings, converters, model.base_model_prefix, meta)
             if t not in meta and k in meta:
-                t = k
+                t, converter = k, None
             if t not in meta:
                 self.ignored.append(k)
                 continue
             self.target[k] = t
+            if converter is not None:
+                self.converted.add(t)
         warn_ignored(self.path, self._reported(self.ignored))
         self._open: dict[str, object] = {}
         self.bytes_read = 0
@@ -196,6 +199,34 @@ class StreamingModel:
                                   f"mismatched {sorted(info.mismatched_keys)[:3]}, "
                                   f"{list(info.conversion_errors.values())[:1] or info.error_msgs[:1]}")
 
+    def row_source(self, model_key: str) -> str:
+        """The one checkpoint key holding model tensor ``model_key`` as it is (a renaming at most), for reading
+        rows of it (``read_rows``); UsageError when transformers builds it from several tensors or none."""
+        if model_key in self.converted:
+            raise UsageError(f"{self.path}: {model_key} is built by transformers from several checkpoint tensors "
+                             "(e.g. per-expert weights merged), so its rows cannot be read on their own; load this "
+                             "model without --fsdp")
+        keys = [k for k, t in self.target.items() if t == model_key]
+        if len(keys) != 1:
+            raise CheckpointError(f"{self.path}: {'no' if not keys else len(keys)} checkpoint tensor(s) for "
+                                  f"{model_key}")
+        return keys[0]
+
+    def read_rows(self, model_key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` (dim 0) of model tensor ``model_key`` in the model's dtype: a safetensors
+        source reads only those rows' bytes (``get_slice``); a GGUF source dequantizes the whole tensor
+        (its quantized blocks and transformers' reordering of Q / K rows span rows) and keeps the rows.
+        ``bytes_read`` counts what was read."""
+        key = self.row_source(model_key)
+        if self.gguf is not None:
+            self.bytes_read += self.gguf.nbytes(key)
+            return self.gguf.read([key])[key][start:stop].clone()
+        path = self.path / self.files[key]
+        with reading(path, "safetensors file"), safe_open_rows(path) as f:
+            part = f.get_slice(key)[start:stop]
+        self.bytes_read += part.numel() * part.element_size()
+        return part
+
     def _nbytes(self, key: str) -> int:
         if self.gguf is not None:
             return self.gguf.nbytes(key)
@@ -244,6 +275,13 @@ class StreamingModel:
 
     def close(self) -> None:
         self._open.clear()
+
+
+def safe_open_rows(path: Path):
+    """``safe_open`` of one safetensors file (CPU tensors), closed by its ``with``."""
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt", device="cpu")
 
 
 def warn_ignored(source, keys: list[str]) -> None:

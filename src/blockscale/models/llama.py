@@ -234,17 +234,33 @@ class Llama(nn.Module):
         projections that write into the residual stream (wo, w2, experts' w2) get std
         0.02/sqrt(2*n_layers) so the stream's variance does not grow with depth (GPT-2). Norm
         weights = 1. ``seed`` makes it reproducible without touching the global RNG; None draws
-        from the global RNG."""
+        from the global RNG. (``initial_values``: the same values one tensor at a time.)"""
+        self.init_seed = seed
+        if next(self.parameters()).device.type == "meta":
+            return  # built on the meta device: the values come later, shard by shard (train.fsdp_source)
+        params = dict(self.named_parameters())
+        for name, value in self.initial_values():
+            params[name].copy_(value)
+
+    def initial_values(self):
+        """(name, initial CPU FP32 tensor) of every parameter in ``named_parameters`` order, drawn one at a time
+        with the seed of the last ``init_weights`` (the model's construction), as ``init_weights`` draws them."""
+        seed = self.init_seed
         gen = None if seed is None else torch.Generator().manual_seed(seed)
         std = 0.02
         for name, p in self.named_parameters():
             if p.dim() == 1:  # RMSNorm gains
-                p.fill_(1.0)
+                yield name, torch.ones(p.shape)
                 continue
             residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
             s = std / math.sqrt(2 * self.config.n_layers) if residual else std
             # draw on CPU in fp32 so a seed gives the same weights on every device and dtype
-            p.copy_(torch.randn(p.shape, generator=gen) * s)
+            yield name, torch.randn(p.shape, generator=gen) * s
+
+    def reset_buffers(self, device=None) -> None:
+        """The RoPE tables (derived, not learned) computed again, on ``device`` (a model built on the meta device)."""
+        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied embedding counts once)."""

@@ -137,8 +137,10 @@ class CheckpointContents:
     format: str = CKPT_FORMAT
     trainable_only: bool = False
 
-    def save(self, path: Union[str, Path], model: nn.Module, optimizer, step: int, config: dict, **extra) -> Path:
-        """Write the checkpoint of ``step`` atomically (see ``save_atomic``)."""
+    def save(self, path: Union[str, Path], model: nn.Module, optimizer, step: int, config: dict,
+             trainable: Optional[dict] = None, **extra) -> Path:
+        """Write the checkpoint of ``step`` atomically (see ``save_atomic``); ``trainable``: the trainable
+        tensors when they are not the model's own (gathered from a sharded model)."""
         if not self.trainable_only:
             rng = {"torch": torch.get_rng_state()}
             if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -147,7 +149,8 @@ class CheckpointContents:
                    "optimizer": optimizer.state_dict(), "rng": rng, "config": config, **extra}
         else:
             obj = {"format": self.format, "step": int(step),
-                   "trainable": {n: p.detach().cpu().clone() for n, p in _trainable(model).items()},
+                   "trainable": trainable if trainable is not None else
+                   {n: p.detach().cpu().clone() for n, p in _trainable(model).items()},
                    "optimizer": optimizer.state_dict(), "config": config, **extra}
         return save_atomic(path, obj)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,25 +68,94 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def outer_units(model: nn.Module) -> list[nn.Module]:
+    """The embeddings and Linears outside the decoder blocks (token embeddings, the head) whose parameters no
+    other module shares: units of their own, so each is gathered whole only around its own forward and
+    backward (in the root unit the root keeps them gathered from its forward to the end of backward). A
+    tied embedding / head stays in the root."""
+    inside = {id(m) for b in block_modules(model) for m in b.modules()}
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [m for m in model.modules() if m is not model and id(m) not in inside
+            and isinstance(m, (nn.Embedding, nn.Linear)) and all(owners[id(p)] == 1 for p in m.parameters())]
+
+
 def _policy(param_dtype: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=torch.float32)
 
 
-def shard_model(model: nn.Module, param_dtype: str = "fp32", fp32_units: Iterable[nn.Module] = ()) -> nn.Module:
+def _shard_kwargs(param_dtype: str, cpu_offload: bool) -> dict:
+    kwargs = {"mp_policy": _policy(param_dtype)}
+    if cpu_offload:  # the shards (and their optimizer state) live in CPU memory, copied to the GPU per unit
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    return kwargs
+
+
+def check_cpu_offload(cpu_offload: bool, device, what: str = "--fsdp-cpu-offload") -> None:
+    """UsageError unless ``cpu_offload`` is off or the run computes on an accelerator (FSDP2's
+    CPUOffloadPolicy copies each unit's CPU shards to the accelerator for its forward / backward; on a CPU
+    run the shards are in CPU memory already and torch refuses the policy)."""
+    if cpu_offload and torch.device(device).type == "cpu":
+        raise UsageError(f"{what} keeps the FSDP shards in CPU memory and computes on the GPU: it needs --device "
+                         "cuda (on a CPU run the shards are in CPU memory already; drop the flag)")
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing of every decoder block (``block_modules``) with torch's composable
+    ``checkpoint`` (non-reentrant; parameter names unchanged, composes with ``fully_shard``): a block's
+    activations are recomputed in backward instead of kept. Returns the number of blocks."""
+    from torch.distributed._composable import checkpoint
+
+    blocks = block_modules(model)
+    for block in blocks:
+        checkpoint(block)
+    return len(blocks)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (its root) has been ``fully_shard``-ed already."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_block(block: nn.Module, param_dtype: str = "fp32", fp32_units: Iterable[nn.Module] = (),
+                cpu_offload: bool = False) -> nn.Module:
+    """``fully_shard`` one decoder block: each of its ``fp32_units`` (FP32 policy), then the block."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in fp32_units:
+        fully_shard(unit, **_shard_kwargs("fp32", cpu_offload))
+    fully_shard(block, **_shard_kwargs(param_dtype, cpu_offload))
+    return block
+
+
+def shard_model(model: nn.Module, param_dtype: str = "fp32", fp32_units: Iterable[nn.Module] = (), *,
+                cpu_offload: bool = False, blocks: bool = True) -> nn.Module:
     """``fully_shard`` ``model`` in place (a process group must be initialized): each of ``fp32_units``
-    (FP32 policy), each decoder block (``block_modules``), then the root; returns ``model``."""
+    (FP32 policy), each decoder block (``block_modules``; ``blocks=False``: they were sharded already, e.g.
+    one by one as they were built), the untied embeddings / head (``outer_units``), then the root; returns
+    ``model``. A model sharded already is returned
+    as it is. ``cpu_offload``: FSDP2's ``CPUOffloadPolicy`` on every unit (needs an accelerator)."""
     from torch.distributed.fsdp import fully_shard
 
     if param_dtype not in FSDP_PARAM_DTYPES:
         raise UsageError(f"fsdp_param_dtype={param_dtype!r}; allowed values: {', '.join(FSDP_PARAM_DTYPES)}")
+    if is_sharded(model):
+        return model
     for unit in fp32_units:
-        fully_shard(unit, mp_policy=_policy("fp32"))
-    policy = _policy(param_dtype)
-    for block in block_modules(model):
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(unit, **_shard_kwargs("fp32", cpu_offload))
+    for block in block_modules(model) if blocks else ():
+        fully_shard(block, **_shard_kwargs(param_dtype, cpu_offload))
+    for unit in outer_units(model):
+        fully_shard(unit, **_shard_kwargs(param_dtype, cpu_offload))
+    fully_shard(model, **_shard_kwargs(param_dtype, cpu_offload))
     return model
 
 
@@ -95,18 +164,52 @@ def unshard_model(model: nn.Module) -> nn.Module:
     plain ``nn.Parameter`` holding the full tensor (``DTensor.full_tensor``; tied parameters stay tied,
     requires_grad kept), FSDP's hooks are removed and each module gets its own class back, so the model
     is the plain module it was (what freeze / export / evaluation after a run need)."""
+    _unshard(model, _units(model), {})
+    return model
+
+
+def unshard_blockwise(model: nn.Module, on_block: Optional[Callable[[nn.Module], None]] = None,
+                      keep: bool = True) -> nn.Module:
+    """``unshard_model`` one decoder block at a time (collective), so that a rank never holds more than one
+    block's full tensors beyond what it keeps: each block (``block_modules``) is gathered into plain full
+    parameters, ``on_block(block)`` runs (e.g. ``lsq.freeze`` of its layers: the latent FP32 weights become
+    packed codes before the next block is gathered), and with ``keep=False`` (the ranks that do not write
+    the result) its tensors are released to the meta device; then the root's own parameters (embeddings,
+    final norm, head) the same way."""
+    from ..models.hf_streaming import release
+
+    done: dict[int, nn.Parameter] = {}
+    for block in block_modules(model):
+        _unshard(block, _units(block), done)
+        if on_block is not None:
+            on_block(block)
+        if not keep:
+            release(block)
+    _unshard(model, _units(model), done)
+    if not keep:
+        release(model)
+    return model
+
+
+def _units(root: nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+def _unshard(root: nn.Module, units: list, full: dict) -> None:
+    """The parameters under ``root`` gathered into plain full ones (``full``: id -> the new Parameter, so a
+    tied parameter stays one), then ``units`` stripped of FSDP (hooks, state, class)."""
     from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
-        return model
+        return
     for m in units:
         m.reshard()
-    full: dict[int, nn.Parameter] = {}
     with torch.no_grad():
-        for m in model.modules():
+        for m in root.modules():
             for name, p in list(m._parameters.items()):
                 if isinstance(p, DTensor):
                     if id(p) not in full:
@@ -124,10 +227,48 @@ def unshard_model(model: nn.Module) -> nn.Module:
         m.__class__ = next(c for c in type(m).__mro__[1:] if not issubclass(c, FSDPModule))
         for key in (STATE_KEY, REGISTRY_KEY):
             m.__dict__.pop(key, None)
-    for m in model.modules():
+    for m in root.modules():
         for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
             m.__dict__.pop(attr, None)
-    return model
+
+
+# ----------------------------------------------------------------------------- a model built on the meta device
+
+def local_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a dim-0 size ``rows`` that FSDP2 gives ``rank`` of ``world``."""
+    chunk = -(-rows // world)
+    return min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
+
+
+def has_meta_parameters(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+@torch.no_grad()
+def materialize_sharded(model: nn.Module, device="cpu") -> None:
+    """A model built on the meta device and sharded (``shard_model``) given its initial values shard by shard:
+    storage for this rank's shards (``to_empty``), each parameter's rows copied from ``model.initial_values()``
+    ((name, full tensor) one at a time: one tensor beyond the shards at any moment) and its derived buffers
+    from ``model.reset_buffers(device)``. A model without those methods is a ValueError naming them."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not (callable(getattr(model, "initial_values", None)) and callable(getattr(model, "reset_buffers", None))):
+        raise ValueError(f"{type(model).__name__} was built on the meta device but has no initial_values() / "
+                         "reset_buffers() to fill its shards from; build it on a real device")
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    done = set()
+    for name, full in model.initial_values():
+        p = params[name]
+        local = p.to_local() if isinstance(p, DTensor) else p.data
+        start, stop = local_rows(p.shape[0], rank, world) if isinstance(p, DTensor) else (0, p.shape[0])
+        local.copy_(full[start:stop])
+        done.add(name)
+    if set(params) - done:
+        raise ValueError(f"{type(model).__name__}.initial_values() gave no value for {sorted(set(params) - done)[:3]}")
+    model.reset_buffers(device)
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints
@@ -211,13 +352,18 @@ def run_meta(contents, step: int, config: dict, info: DistInfo, elapsed_s: float
     return meta
 
 
-def prepare_fsdp(model: nn.Module, task, loop, info: DistInfo, ckpt_path: Optional[Path], resume: bool):
+def prepare_fsdp(model: nn.Module, task, loop, info: DistInfo, ckpt_path: Optional[Path], resume: bool,
+                 device="cpu"):
     """The loop's FSDP set-up: shard ``model`` (``task.fsdp_units(model)``, if the task has it, get their
-    own FP32 units), the optimizer over the sharded parameters and, with ``resume``, the sharded
-    checkpoint loaded into both. Returns (meta or None, optimizer, trainable params, checkpoint dir)."""
+    own FP32 units; a model built on the meta device then gets its shards' initial values:
+    ``materialize_sharded``), the optimizer over the sharded parameters and, with ``resume``,
+    the sharded checkpoint loaded into both. Returns (meta or None, optimizer, trainable params, checkpoint
+    dir)."""
     require_distributed(info)
     units = task.fsdp_units(model) if hasattr(task, "fsdp_units") else []
-    shard_model(model, loop.fsdp_param_dtype, units)
+    shard_model(model, loop.fsdp_param_dtype, units, cpu_offload=loop.fsdp_cpu_offload)
+    if has_meta_parameters(model):  # built on the meta device: each rank fills its own shards
+        materialize_sharded(model, device)
     params = task.trainable(model)  # the sharded parameters now
     optimizer = task.make_optimizer(model)
     path = dcp_dir(ckpt_path) if ckpt_path is not None else None
@@ -294,11 +440,16 @@ class _SavedOptimizer:
         return self._state
 
 
-def finish_fsdp(model: nn.Module, optimizer, contents, ckpt_path: Optional[Path], info: DistInfo, fields: dict) -> None:
+def finish_fsdp(model: nn.Module, optimizer, contents, ckpt_path: Optional[Path], info: DistInfo, fields: dict,
+                keep_sharded: bool = False) -> None:
     """End of an FSDP run (collective): ``unshard_model`` and, if ``ckpt_path``, the final checkpoint as a
     run without --fsdp writes it (whole model / trainable tensors and the optimizer, gathered on rank 0,
-    ``contents.save``); ``fields``: step, config and the extra keys."""
-    osd = None
+    ``contents.save``); ``fields``: step, config and the extra keys. ``keep_sharded`` (a trainable-only
+    task whose caller gathers the model block by block: ``unshard_blockwise``): the model stays sharded and
+    only its trainable tensors are gathered for the checkpoint."""
+    osd, tensors = None, None
+    if keep_sharded and not contents.trainable_only:
+        raise ValueError("finish_fsdp(keep_sharded=True) needs a trainable-only checkpoint")
     if ckpt_path is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -306,13 +457,25 @@ def finish_fsdp(model: nn.Module, optimizer, contents, ckpt_path: Optional[Path]
                                                                                    cpu_offload=True))
         if info.is_main:
             osd = plain_optimizer_state(full, optimizer, model)
-    unshard_model(model)
+        if keep_sharded:
+            tensors = {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
+    if not keep_sharded:
+        unshard_model(model)
     if ckpt_path is not None and info.is_main:
         fields = dict(fields)
-        contents.save(ckpt_path, model, _SavedOptimizer(osd), fields.pop("step"), fields.pop("config"), **fields)
+        contents.save(ckpt_path, model, _SavedOptimizer(osd), fields.pop("step"), fields.pop("config"),
+                      trainable=tensors, **fields)
     barrier(info)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
 
 
 __all__ = ["FSDP_PARAM_DTYPES", "block_modules", "check_fsdp_options", "clip_sharded", "dcp_dir", "finish_fsdp",
            "load_sharded", "local_state_bytes", "plain_optimizer_state", "prepare_fsdp", "read_sharded_meta",
-           "require_distributed", "run_meta", "save_sharded", "shard_model", "unshard_model"]
+           "require_distributed", "run_meta", "save_sharded", "shard_block", "shard_model", "unshard_blockwise",
+           "unshard_model", "check_cpu_offload", "checkpoint_blocks", "has_meta_parameters", "is_sharded",
+           "local_rows", "materialize_sharded", "outer_units"]

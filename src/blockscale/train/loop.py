@@ -79,7 +79,9 @@ class LoopConfig:
     batch_tokens: tokens per micro step and rank (the "tokens" of a metrics row). train_mode: the model's
     mode while training (False: eval mode, no dropout); its own mode comes back at the end.
     fsdp: shard with FSDP2 (needs torchrun, >= 2 processes) instead of DDP; fsdp_param_dtype: its
-    mixed-precision policy's parameter dtype ("fp32" | "bf16"; gradients are reduced in FP32).
+    mixed-precision policy's parameter dtype ("fp32" | "bf16"; gradients are reduced in FP32);
+    fsdp_cpu_offload: FSDP2's CPU offload policy (an accelerator run); fsdp_keep_sharded: the model stays
+    sharded at the end (a trainable-only task whose caller gathers it: ``fsdp.unshard_blockwise``).
     expert_parallel: a ``nn.moe_parallel.CommConfig``: shard the MoE experts over the ranks (with DDP for
     the rest; ``train.expert_parallel``), None: no expert parallelism."""
 
@@ -103,6 +105,8 @@ class LoopConfig:
     train_mode: bool = True
     fsdp: bool = False
     fsdp_param_dtype: str = "fp32"
+    fsdp_cpu_offload: bool = False
+    fsdp_keep_sharded: bool = False
     expert_parallel: Optional[object] = None
 
 
@@ -239,7 +243,11 @@ class _Run:
         model, task, loop, info = self.model, self.task, self.loop, self.info
         self.strategy = select_parallelism(loop, info, task.contents)
         self.strategy.adapt(model)  # before .to(device): e.g. the new expert shards move with the model
-        model.to(self.device)
+        if not any(p.device.type == "meta" for p in model.parameters()):
+            model.to(self.device)
+        elif not loop.fsdp:
+            raise ValueError("the model is on the meta device: only fsdp=True gives it values (each rank fills its "
+                             "own shards from model.initial_values()); build it on a real device otherwise")
         setup = self.strategy.prepare(model, task, task.trainable(model), loop, self.device, self.ckpt, resume, force)
         self.train_model, self.optimizer, self.params, state = (setup.train_model, setup.optimizer, setup.params,
                                                                 setup.state)

@@ -176,7 +176,9 @@ class FullyShardedParallelism(Parallelism):
     unsharded and the final ``ckpt.pt`` gathered on rank 0."""
 
     def prepare(self, model, task, params, loop, device, ckpt, resume, force) -> ParallelSetup:
-        state, optimizer, params, dcp_path = fsdp2.prepare_fsdp(model, task, loop, self.info, ckpt.path, resume)
+        self.keep_sharded = loop.fsdp_keep_sharded
+        state, optimizer, params, dcp_path = fsdp2.prepare_fsdp(model, task, loop, self.info, ckpt.path, resume,
+                                                                device)
         return ParallelSetup(model, optimizer, params, state, _record_note(state, ckpt, dcp_path, force))
 
     def shown_path(self, path) -> Optional[Path]:
@@ -192,7 +194,8 @@ class FullyShardedParallelism(Parallelism):
     def finish(self, model, optimizer, ckpt, step, elapsed, trained) -> None:
         fields = {"step": step, "config": ckpt.config, "world_size": self.info.world_size, "elapsed_s": elapsed(),
                   **ckpt.extra}
-        fsdp2.finish_fsdp(model, optimizer, ckpt.contents, ckpt.path if trained else None, self.info, fields)
+        fsdp2.finish_fsdp(model, optimizer, ckpt.contents, ckpt.path if trained else None, self.info, fields,
+                          keep_sharded=getattr(self, "keep_sharded", False))
 
 
 def select_parallelism(loop, info: DistInfo, contents: CheckpointContents) -> Parallelism:

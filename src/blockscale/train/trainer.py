@@ -29,6 +29,7 @@ from .checkpoint import CheckpointContents
 from .token_data import derive_seed
 from .device import autocast_context, resolve_device  # noqa: F401  (blockscale.train.trainer.autocast_context)
 from .distributed import DistInfo, env_world
+from .fsdp import check_cpu_offload, checkpoint_blocks
 from .expert_parallel import comm_record
 from .gradients import clip_gradients, grad_norm  # noqa: F401
 from .loop import LoopConfig, StepReport, TrainResult, run_training
@@ -54,8 +55,10 @@ class TrainConfig:
     Every value is checked (``check_train_values``): finite floats (lr > 0, 0 <= min_lr <= lr, betas in
     [0, 1)), integers in range, batch_size * seq_len bounded; anything else is a ValueError naming the field.
     fsdp: shard the model with FSDP2 per decoder block instead of DDP (under torchrun, >= 2 processes;
-    ``train.fsdp``); fsdp_param_dtype: "fp32" (no casts) or "bf16" (parameters all-gathered in bf16;
-    gradients reduced in FP32).
+    ``train.fsdp``; the model is built on the meta device and each rank fills only its own shards);
+    fsdp_param_dtype: "fp32" (no casts) or "bf16" (parameters all-gathered in bf16; gradients reduced in
+    FP32); fsdp_cpu_offload: FSDP2's CPU offload policy (needs fsdp and a GPU device);
+    activation_checkpointing: each decoder block's activations recomputed in backward instead of kept.
     """
 
     steps: int = 1000
@@ -80,6 +83,8 @@ class TrainConfig:
     plot: bool = True
     fsdp: bool = False
     fsdp_param_dtype: str = "fp32"
+    fsdp_cpu_offload: bool = False
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         if self.out_dir is not None:
@@ -143,6 +148,11 @@ def check_train_values(values: dict, label: Callable[[str, object], str] = _conf
         raise error(f"{label('fsdp', values['fsdp'])}: expected True or False")
     if values.get("fsdp_param_dtype", "fp32") not in ("fp32", "bf16"):
         raise error(f"{label('fsdp_param_dtype', values['fsdp_param_dtype'])}: expected 'fp32' or 'bf16'")
+    for name in ("fsdp_cpu_offload", "activation_checkpointing"):
+        if not isinstance(values.get(name, False), bool):
+            raise error(f"{label(name, values[name])}: expected True or False")
+    if values.get("fsdp_cpu_offload", False) and not values.get("fsdp", False):
+        raise error(f"{label('fsdp_cpu_offload', True)}: FSDP2's CPU offload policy needs {label('fsdp', True)}")
     device = values["device"]
     if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?", device):
         raise error(f"{label('device', device)}: expected {DEVICE_NAMES}")
@@ -256,12 +266,16 @@ def train(model: nn.Module, data, cfg: TrainConfig,
     """
     _, world, local = env_world()
     device = resolve_device(cfg.device, local, world)
+    check_cpu_offload(cfg.fsdp_cpu_offload, device, "fsdp_cpu_offload")
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
     loop = LoopConfig(steps=cfg.steps, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
                       log_interval=cfg.log_interval, eval=cfg.eval_batches > 0, eval_interval=cfg.eval_interval,
                       ckpt_interval=cfg.ckpt_interval, out_dir=cfg.out_dir, ckpt_name=CKPT_NAME,
                       metrics_name=METRICS_NAME, config_json=True, plot_name="loss.png" if cfg.plot else None,
                       autocast=cfg.autocast, progress=cfg.progress, batch_tokens=cfg.batch_size * cfg.seq_len,
-                      fsdp=cfg.fsdp, fsdp_param_dtype=cfg.fsdp_param_dtype, expert_parallel=expert_parallel)
+                      fsdp=cfg.fsdp, fsdp_param_dtype=cfg.fsdp_param_dtype, fsdp_cpu_offload=cfg.fsdp_cpu_offload,
+                      expert_parallel=expert_parallel)
     if expert_parallel is not None:
         record = {**(record or {}), "expert_parallel": comm_record(expert_parallel)}
     return run_training(model, PretrainTask(data, cfg, optimizer_factory), loop, device, resume=resume,
