@@ -15,8 +15,9 @@ from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_
 from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, local_path,
                      resolve_ptq_recipe, setup, show_progress)
 from ..export.common import jsonable
-from .learn_scales_sharded import (add_sharding_flags, check_sharding_flags, sharded_checkpoint_student,
-                                   sharded_teacher, sharding_note, streamed_student, teacher_dtype)
+from .learn_scales_sharded import (add_sharding_flags, check_sharding_flags, return_large_frees,
+                                   sharded_checkpoint_student, sharded_teacher, sharding_note, streamed_student,
+                                   teacher_dtype)
 from .learn_scales_teacher import (check_loaded_vocabulary, resolve_model_teacher, resolve_teacher, same_model,
                                    teacher_from_metadata)
 from .quantize import method_names, quantize_reported, skip_indivisible
@@ -354,6 +355,8 @@ def cmd_learn_scales(args) -> int:
     defaults = default_texts(args.model)
     dcfg = _distill_config(args, train_dir)
     student_sharded, teacher_sharded, note = sharding_note(args, is_ckpt, teacher_name)
+    if args.fsdp:
+        return_large_frees()
     if note and lsq.is_main_rank():
         print(note, flush=True)
     info = setup_distributed(device) if student_sharded or teacher_sharded else None
