@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..models.hf_streaming import StreamingModel, release
+from ..models.hf_streaming import StreamingModel, release, trim_heap
 from ..ptq import PTQConfig, PTQReport
 from ..ptq.capture import decoder_layers
 from ..ptq.finite import check_finite_parameters
@@ -78,15 +78,6 @@ def _shard(layer: nn.Module, options: ShardingOptions) -> None:
     shard_block(layer, options.param_dtype, learner_modules(layer), options.cpu_offload)
 
 
-def _trim() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def stream_sharded_student(source, config: PTQConfig, calibration: Optional[torch.Tensor],
                            recovery: RecoveryConfig = RecoveryConfig(), options: ShardingOptions = ShardingOptions(),
                            *, on_layer: Optional[Callable[[int, nn.Module], None]] = None,
@@ -137,7 +128,7 @@ def stream_sharded_student(source, config: PTQConfig, calibration: Optional[torc
 
             checkpoint(layers[i])
         _shard(layers[i], options)
-        _trim()
+        trim_heap()
         if on_layer is not None:
             on_layer(i, model)
     report = finish_pass(run, t0)
@@ -158,7 +149,7 @@ def shard_enabled_student(student: nn.Module, recovery: RecoveryConfig = Recover
         prefix = next(n for n, m in student.named_modules() if m is block)
         _enable_layer(block, recovery, _under(weights, prefix))
         _shard(block, options)
-        _trim()
+        trim_heap()
     inside = {id(m) for b in block_modules(student) for m in b.modules()}
     if any(learner_candidates(m) for m in student.modules() if id(m) not in inside and not list(m.children())):
         raise ValueError("the student has NVFP4 layers outside its decoder blocks (e.g. the head): sharding it block "

@@ -310,6 +310,17 @@ def release(module: nn.Module, keep: Optional[Callable[[str, torch.Tensor], bool
                     else empty
 
 
+def trim_heap() -> None:
+    """Give the freed heap back to the system (glibc keeps a released layer's pages otherwise, and the RSS
+    would grow by a fraction of a layer per layer); a no-op where it does not apply (not glibc)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def real_bytes(module: nn.Module) -> int:
     """Bytes of ``module``'s parameters and buffers that are not on the meta device (each tensor once)."""
     seen, n = set(), 0
@@ -320,4 +331,4 @@ def real_bytes(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["StreamingModel", "check_source", "is_gguf", "real_bytes", "release", "shard_files", "warn_ignored"]
+__all__ = ["StreamingModel", "check_source", "is_gguf", "real_bytes", "release", "shard_files", "trim_heap", "warn_ignored"]

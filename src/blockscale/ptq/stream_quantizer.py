@@ -16,7 +16,7 @@ from ..errors import CheckpointError, UsageError
 from ..export import export_checkpoint, format_named, layer_tensors
 from ..export.destination import check_output
 from ..export.writer import parse_size
-from ..models.hf_streaming import StreamingModel, check_source, release
+from ..models.hf_streaming import StreamingModel, check_source, release, trim_heap
 from . import stream_skeleton
 from .capture import decoder_layers, run_layer
 from .config import PTQConfig
@@ -32,17 +32,6 @@ from .stream_state import WorkDir, atomic_write, fingerprint, save_tensors, sour
 
 SMALL = 4096  # FP32 tensors of at most this many elements stay real in a released layer (the scales the export
 # reads: NVFP4 outer / input scales, FP8 per-tensor scales, KV scales; codes and block scales were checked per layer)
-
-
-def _trim() -> None:
-    """Give the freed heap back to the system (glibc keeps a released layer's pages otherwise, and the RSS
-    would grow by a fraction of a layer per layer)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _kept(_name: str, t: torch.Tensor) -> bool:
@@ -186,7 +175,7 @@ class StreamingQuantizer:
         self._write_state(i + 1)
         for f in self.act_dir.glob(f"hidden-{i:05d}-*.safetensors"):
             f.unlink()
-        _trim()
+        trim_heap()
         if on_layer is not None:
             on_layer(i, "released", self.model)
 
