@@ -6,6 +6,8 @@ imports included) and wall time are recorded, with the per-layer seconds from th
     python experiments/fetch_qwen_gguf.py                      # the Qwen2.5-Coder GGUFs, once
     python experiments/scale_results.py --models qwen-1.5b --methods rtn gptq --json runs/scale_qwen15.json
     python experiments/scale_results.py --models qwen-1.5b --paths default no-streaming   # peak RSS of both paths
+    python experiments/scale_results.py --models qwen-1.5b --methods rtn hessian --ppl-tokens 16384 --fp-ppl \
+        --keep ~/.cache/blockscale/runs        # + WikiText-2 perplexity of each output and of the source (ctx 1024)
 
 Models: ``smollm2`` (built in, 135M, Q4_1 GGUF), ``qwen-0.5b`` / ``qwen-1.5b`` (the assembled GGUFs in
 ``--cache``), ``synthetic`` (a 24-layer random Llama of 51 MB layers written to a temporary directory).
@@ -83,6 +85,20 @@ def run(src: str, method: str, out: Path, args, path: str = "default") -> dict:
             "streamed": bool(layers), "stdout_tail": r.stdout.strip().splitlines()[-3:]}
 
 
+def perplexity(model: str, args) -> dict:
+    """``blockscale eval ppl MODEL`` on the first ``--ppl-tokens`` WikiText-2 test tokens (ctx 1024), timed."""
+    with tempfile.TemporaryDirectory() as t:
+        out = Path(t) / "ppl.json"
+        cmd = [sys.executable, "-m", "blockscale.cli", "eval", "ppl", model, "--ctx", str(args.ppl_ctx),
+               "--max-tokens", str(args.ppl_tokens), "--json", str(out)]
+        t0 = time.time()
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if r.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        rec = json.loads(out.read_text())
+    return {"ppl": rec.get("ppl"), "ppl_tokens": rec.get("tokens_evaluated"), "ppl_wall_s": time.time() - t0}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["smollm2", "qwen-0.5b", "qwen-1.5b"],
@@ -94,16 +110,33 @@ def main(argv=None) -> int:
                     help="the default path (streams) and / or --no-streaming (the model loaded whole)")
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/blockscale/models").expanduser())
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--ppl-tokens", type=int, default=0,
+                    help="also the WikiText-2 test perplexity of every output on its first N tokens (0: none)")
+    ap.add_argument("--ppl-ctx", type=int, default=1024)
+    ap.add_argument("--fp-ppl", action="store_true", help="and of each source model in full precision")
+    ap.add_argument("--keep", type=Path, help="write the outputs under this directory and keep them (a new "
+                    "subdirectory per model, method and path; refused if it exists)")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
+        outs = args.keep.expanduser() if args.keep else tmp
+        outs.mkdir(parents=True, exist_ok=True)
         for name in args.models:
             src = source(name, args.cache, tmp)
             per_layer = layer_params(src)
+            if args.fp_ppl:
+                row = {"model": name, "method": "full precision", "path": "", **perplexity(src, args)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
             for method, path in [(m, p) for m in args.methods for p in args.paths]:  # one run at a time
+                out = outs / f"{name}-{method}-{path}"
+                if out.exists():
+                    raise SystemExit(f"error: --keep: {out} exists; choose another directory")
                 row = {"model": name, "method": method, "path": path, "layer_params": per_layer,
-                       **run(src, method, tmp / f"{name}-{method}-{path}", args, path)}
+                       **run(src, method, out, args, path)}
+                if args.ppl_tokens:
+                    row.update(perplexity(str(out), args))
                 sec = sorted(row["layer_seconds"])
                 row["median_layer_s"] = sec[len(sec) // 2] if sec else None
                 print(json.dumps({k: v for k, v in row.items() if k != "layer_seconds"}), flush=True)

@@ -91,3 +91,30 @@ def test_exit_during_a_background_compilation_is_clean(tmp_path):
     for wait in ("0", "2"):
         out = subprocess.run([sys.executable, "-c", code, wait], env=env, capture_output=True, text=True, timeout=300)
         assert (out.returncode, out.stdout, out.stderr) == (3, "done\n", "")
+
+
+def test_background_compilation_runs_on_its_own_copy_of_the_arguments(tmp_path):
+    """The background thread must not read the caller's tensors: FSDP2 frees a unit's gathered parameters
+    (storage resized to 0) right after its forward, while the kernel compiled for them may still be running
+    there. Before the fix this process died with SIGSEGV, or the compilation failed on the freed tensor."""
+    code = textwrap.dedent("""
+        import warnings, torch, blockscale as bs
+        from blockscale.quant.fast_kernel import fast_kernel, wait_for_background_compiles
+        k = fast_kernel(lambda w, a: torch.where(w.abs() > a, w * a, w + 1))
+        w = torch.randn(512, 256, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        a = torch.full((), 0.5)
+        with bs.use_backend("auto"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            k(w.detach(), a)
+            assert k._queued, "not queued"
+            w.data.untyped_storage().resize_(0)  # what FSDP2's reshard does to a gathered parameter
+            assert wait_for_background_compiles(600) and k.ready()
+            w2 = torch.randn(512, 256, generator=torch.Generator().manual_seed(1))
+            assert torch.equal(k(w2, a), torch.where(w2.abs() > a, w2 * a, w2 + 1))
+        failed = [str(c.message) for c in caught if "torch.compile is unavailable" in str(c.message)]
+        assert not failed, failed
+        print("ok", flush=True)
+    """)
+    env = dict(os.environ, BLOCKSCALE_COMPILE_AFTER="0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr[-3000:]

@@ -86,6 +86,34 @@ def _student_runs(base: Path, rank: int, out: dict) -> None:
                                  "dequantized": built.dequantized}
 
 
+def _blockwise_runs(base: Path, rank: int, out: dict) -> None:
+    """``unshard_blockwise`` as ``lsq.recover`` calls it after training (here one forward and backward): rank 0
+    freezes each gathered block (its latent weights become codes), rank 1 releases it; at each block, how many
+    of the full tensors dropped so far are alive."""
+    import weakref
+
+    from blockscale.lsq import RecoveryConfig, freeze
+    from blockscale.lsq.sharded_student import stream_sharded_student
+    from blockscale.ptq import PTQConfig
+    from blockscale.train.fsdp import unshard_blockwise
+
+    built = stream_sharded_student(base / "hf", PTQConfig(method="rtn"), None, RecoveryConfig(), progress=False)
+    built.model(token_ids(2, 16, vocab=96)).logits.float().square().mean().backward()  # FSDP's lazy init, a step
+    dropped, alive = [], []
+
+    def on_block(block):
+        alive.append(sum(r() is not None for r in dropped))
+        gathered = list(block.parameters())
+        if rank == 0:
+            freeze(block)
+        kept = {id(p) for p in block.parameters()} if rank == 0 else set()
+        dropped.extend(weakref.ref(p) for p in gathered if id(p) not in kept)
+
+    unshard_blockwise(built.model, on_block=on_block, keep=rank == 0)
+    alive.append(sum(r() is not None for r in dropped))
+    out["blockwise"] = {"alive": alive, "dropped": len(dropped)}
+
+
 def _train_runs(base: Path, rank: int, out: dict) -> None:
     """``train(fsdp=True)`` of the tiny Llama preset built for real and built on the meta device."""
     import contextlib
@@ -121,6 +149,7 @@ def _worker(rank: int, port: int, base: str):
     try:
         _teacher_runs(Path(base), rank, out)
         _student_runs(Path(base), rank, out)
+        _blockwise_runs(Path(base), rank, out)
         _train_runs(Path(base), rank, out)
         torch.save(out, Path(base) / f"rank{rank}.pt")
     finally:
@@ -205,6 +234,17 @@ def test_the_streamed_student_is_never_whole_on_a_rank(runs):
         for tag in ("rtn", "gptq"):
             seen = r[f"student_{tag}"]["seen"]
             assert seen == [["sharded"] * (i + 1) + ["meta"] * (2 - i) for i in range(3)], (tag, seen)
+
+
+def test_gathering_the_student_block_by_block_keeps_no_dropped_block(runs):
+    """``unshard_blockwise``: a block's full tensors are gone as soon as the block drops them (rank 0: frozen to
+    codes, so its latent weights; rank 1: released), before the next block is gathered. Before the fix the
+    tie bookkeeping, and then the root's FSDP state (its records of every unit's parameters and their
+    modules), held every block's full tensors to the end: the whole FP32 student on rank 0."""
+    _, ranks = runs
+    for rank, r in enumerate(ranks):
+        assert r["blockwise"]["dropped"] >= (3 * 7 if rank == 0 else 3 * 9), r["blockwise"]
+        assert r["blockwise"]["alive"] == [0, 0, 0, 0], (rank, r["blockwise"])
 
 
 def _single_process_student(base: Path, cfg, calibration):

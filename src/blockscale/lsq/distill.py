@@ -321,6 +321,8 @@ class DistillTask:
         x = _batch(self.tokens, cfg, step, micro, info)
         with torch.no_grad():
             t_logits = output_logits(self.teacher(x.to(self.t_device)))
+        if is_sharded(self.teacher):  # FSDP2 keeps a root's parameters gathered after its forward (for the
+            self.teacher.reshard()    # backward, which a frozen teacher never runs): free them now
         xs = x.to(device)
         loss, kl, ce = distill_loss(output_logits(student(xs)), t_logits, xs, cfg.temperature, cfg.ce_weight)
         return loss, torch.stack([loss.detach(), kl.detach(), ce.detach()])

@@ -9,8 +9,9 @@ When compilation happens depends on the backend (``quant.backend``):
 - "compiled": in the foreground, on the first call (``COMPILE_NOTICE`` is printed once per process).
 - "auto": never in the foreground. A kernel runs eagerly until it has spent ``compile_after_seconds()``
   (default 30 s, ``BLOCKSCALE_COMPILE_AFTER``; ``never`` turns background compilation off) of eager time
-  on tensors large enough for the fast path; then one background thread compiles it on the arguments of
-  that eager call while the reference keeps serving, and later calls run the compiled code as soon as it
+  on tensors large enough for the fast path; then one background thread compiles it on a copy of the
+  arguments of that eager call (the caller may free or change its tensors meanwhile: FSDP2 frees gathered
+  parameters right after a unit's forward) while the reference keeps serving, and later calls run the compiled code as soon as it
   is ready (``torch._dynamo.run``: cached code only; a call the compiled code does not cover runs
   eagerly and queues that variant). A one-off ``bs.quantize`` of a 4096 x 4096 matrix therefore costs
   what the eager reference costs, while a training loop that calls the same kernels every step
@@ -174,8 +175,20 @@ _worker: dict = {"thread": None, "busy": 0, "error": None}
 _lock = threading.Lock()
 
 
+def _own_copy(a):
+    """A tensor argument copied (values, strides and requires_grad kept) for the background thread: the
+    caller's tensor may be freed or changed in place while the compiled kernel runs there (FSDP2 frees a
+    unit's gathered parameters right after its forward: the kernel would read freed memory)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    c = a.detach().clone(memory_format=torch.preserve_format)
+    return c.requires_grad_(a.requires_grad) if a.requires_grad else c
+
+
 def _enqueue(kernel: FastKernel, sig, args, kwargs) -> None:
     kernel._queued.add(sig)
+    args = tuple(_own_copy(a) for a in args)
+    kwargs = {k: _own_copy(v) for k, v in kwargs.items()}
     with _lock:
         _worker["busy"] += 1
         _jobs.put((kernel, sig, args, kwargs, torch.is_grad_enabled(), torch.get_num_threads()))

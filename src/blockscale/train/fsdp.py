@@ -7,10 +7,13 @@ way back to a plain model at the end of a run.
     save_sharded(run / "ckpt.dcp", model, optimizer, meta, info)  # every rank writes its shards
     unshard_model(model)                                           # plain full tensors on every rank again
 
-Units (innermost first): each module of ``fp32_units`` (the LSQ learners: latent weight + block amaxes)
-with an FP32 policy whatever ``param_dtype`` says, then every child of the outermost ``nn.ModuleList``s (the
+Units (innermost first): under a lower ``param_dtype``, each module of ``fp32_units`` (the LSQ learners:
+latent weight + block amaxes) with an FP32 policy; then every child of the outermost ``nn.ModuleList``s (the
 decoder blocks), then the root; each with ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``
-("fp32": no casts at all). FSDP2 shards every parameter along dim 0 (padding the last rank when the rows
+("fp32": no casts at all, and the ``fp32_units`` are part of their blocks' units: a learner's forward takes
+no tensor input, so FSDP2 has nothing to hang its post-backward hook on and would keep every learner
+gathered from its backward to the end of the whole backward, the model's latent weights in full on each
+rank). FSDP2 shards every parameter along dim 0 (padding the last rank when the rows
 do not divide); buffers (packed FP4 codes, E4M3 scales, outer scales) stay whole on every rank. In
 forward a unit's parameters are all-gathered, so whatever runs inside (a recipe's quantizer, the LSQ
 fake-quantizer) sees the full tensor, e.g. the NVFP4 outer scale comes from the full weight's amax.
@@ -32,6 +35,7 @@ import torch.nn as nn
 from ..errors import UsageError
 from .checkpoint import TrainingCheckpointError, load_weights_only, save_atomic
 from .distributed import DistInfo, barrier
+from .fsdp_meta import has_meta_parameters, local_rows, materialize_sharded  # noqa: F401  (re-exported)
 
 FSDP_PARAM_DTYPES = ("fp32", "bf16")
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: FSDP keeps the parameters' own dtype (no casts)
@@ -125,12 +129,21 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def own_units(fp32_units: Iterable[nn.Module], param_dtype: str) -> list[nn.Module]:
+    """The ``fp32_units`` that need FSDP units of their own: all of them under a lower ``param_dtype`` (to keep
+    them FP32), none under "fp32" (their block's unit is FP32 already). A unit of its own would cost memory
+    there: the LSQ learners' forward takes no tensor input, so FSDP2 registers no post-backward hook for them
+    and reshards them only when the whole backward ends (every learner's latent weight gathered at once)."""
+    return [] if param_dtype == "fp32" else list(fp32_units)
+
+
 def shard_block(block: nn.Module, param_dtype: str = "fp32", fp32_units: Iterable[nn.Module] = (),
                 cpu_offload: bool = False) -> nn.Module:
-    """``fully_shard`` one decoder block: each of its ``fp32_units`` (FP32 policy), then the block."""
+    """``fully_shard`` one decoder block: each of its ``fp32_units`` (FP32 policy; only under a lower
+    ``param_dtype``: ``own_units``), then the block."""
     from torch.distributed.fsdp import fully_shard
 
-    for unit in fp32_units:
+    for unit in own_units(fp32_units, param_dtype):
         fully_shard(unit, **_shard_kwargs("fp32", cpu_offload))
     fully_shard(block, **_shard_kwargs(param_dtype, cpu_offload))
     return block
@@ -139,7 +152,7 @@ def shard_block(block: nn.Module, param_dtype: str = "fp32", fp32_units: Iterabl
 def shard_model(model: nn.Module, param_dtype: str = "fp32", fp32_units: Iterable[nn.Module] = (), *,
                 cpu_offload: bool = False, blocks: bool = True) -> nn.Module:
     """``fully_shard`` ``model`` in place (a process group must be initialized): each of ``fp32_units``
-    (FP32 policy), each decoder block (``block_modules``; ``blocks=False``: they were sharded already, e.g.
+    (FP32 policy; only under a lower ``param_dtype``: ``own_units``), each decoder block (``block_modules``; ``blocks=False``: they were sharded already, e.g.
     one by one as they were built), the untied embeddings / head (``outer_units``), then the root; returns
     ``model``. A model sharded already is returned
     as it is. ``cpu_offload``: FSDP2's ``CPUOffloadPolicy`` on every unit (needs an accelerator)."""
@@ -149,7 +162,7 @@ def shard_model(model: nn.Module, param_dtype: str = "fp32", fp32_units: Iterabl
         raise UsageError(f"fsdp_param_dtype={param_dtype!r}; allowed values: {', '.join(FSDP_PARAM_DTYPES)}")
     if is_sharded(model):
         return model
-    for unit in fp32_units:
+    for unit in own_units(fp32_units, param_dtype):
         fully_shard(unit, **_shard_kwargs("fp32", cpu_offload))
     for block in block_modules(model) if blocks else ():
         fully_shard(block, **_shard_kwargs(param_dtype, cpu_offload))
@@ -176,15 +189,22 @@ def unshard_blockwise(model: nn.Module, on_block: Optional[Callable[[nn.Module],
     packed codes before the next block is gathered), and with ``keep=False`` (the ranks that do not write
     the result) its tensors are released to the meta device; then the root's own parameters (embeddings,
     final norm, head) the same way."""
-    from ..models.hf_streaming import release
+    import gc
+    import weakref
 
-    done: dict[int, nn.Parameter] = {}
+    from ..models.hf_streaming import release, trim_heap
+
+    # id -> full Parameter, held weakly: a tie between a block and the root is found while the block keeps
+    # its parameter, and a block's full tensors go as soon as it drops them (frozen to codes, or released)
+    done: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueDictionary()
     for block in block_modules(model):
         _unshard(block, _units(block), done)
         if on_block is not None:
             on_block(block)
         if not keep:
             release(block)
+        gc.collect()  # a dropped unit and its former FSDP state refer to each other: free its tensors now
+        trim_heap()
     _unshard(model, _units(model), done)
     if not keep:
         release(model)
@@ -212,9 +232,11 @@ def _unshard(root: nn.Module, units: list, full: dict) -> None:
         for m in root.modules():
             for name, p in list(m._parameters.items()):
                 if isinstance(p, DTensor):
-                    if id(p) not in full:
-                        full[id(p)] = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
-                    m._parameters[name] = full[id(p)]
+                    q = full.get(id(p))  # (a strong reference before the module holds it: ``full`` may be weak)
+                    if q is None:
+                        q = full[id(p)] = nn.Parameter(p.full_tensor().detach().clone(),
+                                                       requires_grad=p.requires_grad)
+                    m._parameters[name] = q
     for m in units:
         state = m._get_fsdp_state()
         for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
@@ -224,51 +246,18 @@ def _unshard(root: nn.Module, units: list, full: dict) -> None:
                             group._module_to_pre_load_state_dict_hook_handle):
                 for h in handles.values():
                     h.remove()
+        # the root's FSDP state lists every unit's state, whose parameter records refer to the modules that
+        # own the parameters (and to this rank's shards): without this, a block's modules dropped after it is gathered (an LSQ learner
+        # frozen to codes) would live, with their full tensors, until the root is gathered last
+        for group in state._fsdp_param_groups:
+            group.fsdp_params = []  # (also this rank's shards, replaced by the full tensors above)
+        state._fsdp_param_groups = []
         m.__class__ = next(c for c in type(m).__mro__[1:] if not issubclass(c, FSDPModule))
         for key in (STATE_KEY, REGISTRY_KEY):
             m.__dict__.pop(key, None)
     for m in root.modules():
         for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
             m.__dict__.pop(attr, None)
-
-
-# ----------------------------------------------------------------------------- a model built on the meta device
-
-def local_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
-    """The rows ``[start, stop)`` of a dim-0 size ``rows`` that FSDP2 gives ``rank`` of ``world``."""
-    chunk = -(-rows // world)
-    return min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
-
-
-def has_meta_parameters(model: nn.Module) -> bool:
-    return any(p.device.type == "meta" for p in model.parameters())
-
-
-@torch.no_grad()
-def materialize_sharded(model: nn.Module, device="cpu") -> None:
-    """A model built on the meta device and sharded (``shard_model``) given its initial values shard by shard:
-    storage for this rank's shards (``to_empty``), each parameter's rows copied from ``model.initial_values()``
-    ((name, full tensor) one at a time: one tensor beyond the shards at any moment) and its derived buffers
-    from ``model.reset_buffers(device)``. A model without those methods is a ValueError naming them."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    if not (callable(getattr(model, "initial_values", None)) and callable(getattr(model, "reset_buffers", None))):
-        raise ValueError(f"{type(model).__name__} was built on the meta device but has no initial_values() / "
-                         "reset_buffers() to fill its shards from; build it on a real device")
-    model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    done = set()
-    for name, full in model.initial_values():
-        p = params[name]
-        local = p.to_local() if isinstance(p, DTensor) else p.data
-        start, stop = local_rows(p.shape[0], rank, world) if isinstance(p, DTensor) else (0, p.shape[0])
-        local.copy_(full[start:stop])
-        done.add(name)
-    if set(params) - done:
-        raise ValueError(f"{type(model).__name__}.initial_values() gave no value for {sorted(set(params) - done)[:3]}")
-    model.reset_buffers(device)
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints
@@ -474,7 +463,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
 
 
-__all__ = ["FSDP_PARAM_DTYPES", "block_modules", "check_fsdp_options", "clip_sharded", "dcp_dir", "finish_fsdp",
+__all__ = ["FSDP_PARAM_DTYPES", "block_modules", "own_units", "check_fsdp_options", "clip_sharded", "dcp_dir", "finish_fsdp",
            "load_sharded", "local_state_bytes", "plain_optimizer_state", "prepare_fsdp", "read_sharded_meta",
            "require_distributed", "run_meta", "save_sharded", "shard_block", "shard_model", "unshard_blockwise",
            "unshard_model", "check_cpu_offload", "checkpoint_blocks", "has_meta_parameters", "is_sharded",

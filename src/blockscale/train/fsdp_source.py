@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .fsdp import local_rows, shard_model
+from .fsdp import shard_model
+from .fsdp_meta import local_rows
 
 
 def _meta_buffers(model: nn.Module) -> list[str]:
