@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=Path, help="write the outputs under this directory and keep them (a new "
                     "subdirectory per model, method and path; refused if it exists)")
     args = ap.parse_args(argv)
+    if args.ppl_tokens < 0 or args.ppl_ctx < 2:
+        ap.error(f"--ppl-tokens {args.ppl_tokens} / --ppl-ctx {args.ppl_ctx}: allowed values are >= 0 and >= 2")
     rows = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)

@@ -97,7 +97,13 @@ def _blockwise_runs(base: Path, rank: int, out: dict) -> None:
     from blockscale.ptq import PTQConfig
     from blockscale.train.fsdp import unshard_blockwise
 
+    from torch.distributed.fsdp import FSDPModule
+
+    from blockscale.lsq import learner_modules
+
     built = stream_sharded_student(base / "hf", PTQConfig(method="rtn"), None, RecoveryConfig(), progress=False)
+    out["learner_units"] = [isinstance(m, FSDPModule) for m in learner_modules(built.model)]
+    out["block_units"] = [isinstance(m, FSDPModule) for m in built.model.model.layers]
     built.model(token_ids(2, 16, vocab=96)).logits.float().square().mean().backward()  # FSDP's lazy init, a step
     dropped, alive = [], []
 
@@ -245,6 +251,16 @@ def test_gathering_the_student_block_by_block_keeps_no_dropped_block(runs):
     for rank, r in enumerate(ranks):
         assert r["blockwise"]["dropped"] >= (3 * 7 if rank == 0 else 3 * 9), r["blockwise"]
         assert r["blockwise"]["alive"] == [0, 0, 0, 0], (rank, r["blockwise"])
+
+
+def test_fp32_learners_are_part_of_their_blocks_units(runs):
+    """Under the fp32 policy the LSQ learners are not FSDP units of their own but part of their block's unit:
+    a learner's forward takes no tensor input, so FSDP2 would reshard a learner unit only at the end of the
+    whole backward (every latent weight gathered on every rank). Before the fix each learner was a unit."""
+    _, ranks = runs
+    for r in ranks:
+        assert r["learner_units"] and not any(r["learner_units"]), r["learner_units"]
+        assert r["block_units"] == [True, True, True]
 
 
 def _single_process_student(base: Path, cfg, calibration):
