@@ -3,6 +3,10 @@
     python experiments/ptq_results.py --model smollm2-135m --eval-tokens 16384 --out runs/ptq-smollm2
     python experiments/ptq_results.py --model stories260k --out runs/ptq-stories260k
     python experiments/ptq_results.py --report-only runs/ptq-smollm2 runs/ptq-stories260k > docs/results/ptq.md
+    python experiments/ptq_results.py --model stories260k --only RTN-6 'RTN hessian' AWQ GPTQ AutoRound \
+        --out runs/autoround-stories260k          # the AutoRound comparison: the rows it ran
+    python experiments/ptq_results.py --report-only runs/autoround-stories260k \
+        --title 'AutoRound against GPTQ and AWQ' > docs/results/autoround.md
 
 Each finished configuration is appended to OUT/results.jsonl; a rerun skips those already there.
 """
@@ -34,6 +38,10 @@ METHODS = [
     ("GPTQ", dict(method="gptq")),
     ("GPTQ+4/6 (plain)", dict(method="gptq", scale_rule="4over6", options=GPTQOptions(four_over_six="plain"))),
     ("GPTQ+4/6 (aware)", dict(method="gptq", scale_rule="4over6", options=GPTQOptions(four_over_six="aware"))),
+    ("RTN hessian", dict(method="rtn", scale_rule="hessian")),
+    ("AutoRound", dict(method="autoround")),
+    ("AutoRound+4/6", dict(method="autoround", scale_rule="4over6")),
+    ("AutoRound hessian", dict(method="autoround", scale_rule="hessian")),
     # W4A4 only: Four Over Six on the activations too
     ("RTN-4/6, activations 4/6", dict(method="rtn", scale_rule="4over6", act_scale_rule="4over6")),
     ("GPTQ+4/6 (aware), activations 4/6", dict(method="gptq", scale_rule="4over6", act_scale_rule="4over6")),
@@ -52,7 +60,7 @@ def run(args) -> None:
     eval_src = args.eval or ("tinystories#0:0.8" if args.model == "stories260k" else d.eval)
     meta = {"model": args.model, "eval": eval_src, "ctx": d.ctx, "bos": d.bos, "eval_tokens": args.eval_tokens,
             "calib": d.calib, "n_samples": args.n_samples, "seq_len": args.seq_len, "threads": args.threads,
-            "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
+            "torch": torch.__version__, "machine": platform.processor() or platform.machine(), "only": args.only}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
     def record(key, label, acts, rec, seconds):
@@ -82,15 +90,18 @@ def run(args) -> None:
             del qm
 
 
-def report(dirs) -> None:
-    print("# Post-training quantization to NVFP4: perplexity by method\n")
+def report(dirs, title: str, dest: str) -> None:
+    print(f"# {title}\n")
     print("Command (from the repository root; each model's table is one run):\n")
     print("```")
     for d in dirs:
         meta = json.loads((Path(d) / "meta.json").read_text())
         tok = f" --eval-tokens {meta['eval_tokens']}" if meta["eval_tokens"] else ""
-        print(f"python experiments/ptq_results.py --model {meta['model']}{tok} --out {d}")
-    print(f"python experiments/ptq_results.py --report-only {' '.join(dirs)} > docs/results/ptq.md")
+        only = " --only " + " ".join(f"'{o}'" for o in meta["only"]) if meta.get("only") else ""
+        samples = f" --n-samples {meta['n_samples']}" if meta["n_samples"] != 128 else ""
+        print(f"python experiments/ptq_results.py --model {meta['model']}{tok}{samples}{only} --out {d}")
+    extra = "" if dest == "docs/results/ptq.md" else f" --title '{title}'"
+    print(f"python experiments/ptq_results.py --report-only {' '.join(dirs)}{extra} > {dest}")
     print("```\n")
     for d in dirs:
         meta = json.loads((Path(d) / "meta.json").read_text())
@@ -109,6 +120,8 @@ def report(dirs) -> None:
         print("| method | W4A16 ppl | gap | closed | time | W4A4 ppl | gap | closed | time |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for label, _ in METHODS:
+            if not any((label, acts) in by for acts in ("w4a16", "w4a4")):
+                continue  # a run with --only: the rows it has
             cells = []
             for acts in ("w4a16", "w4a4"):
                 r = by.get((label, acts))
@@ -136,9 +149,15 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", help="run only methods whose label contains one of these strings")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--report-only", nargs="+", metavar="RUN_DIR", help="print the markdown table of finished runs")
+    p.add_argument("--title", default="Post-training quantization to NVFP4: perplexity by method",
+                   help="the report's title (--report-only)")
+    p.add_argument("--dest", default=None, help="the file the report is meant for (named in its command line; "
+                   "default docs/results/ptq.md, or docs/results/autoround.md with --title)")
     args = p.parse_args(argv)
     if args.report_only:
-        report(args.report_only)
+        dest = args.dest or ("docs/results/ptq.md" if args.title == p.get_default("title")
+                             else "docs/results/autoround.md")
+        report(args.report_only, args.title, dest)
     else:
         run(args)
     return 0

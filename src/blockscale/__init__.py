@@ -19,7 +19,7 @@ from .data import data_root
 from .models import PRESETS as MODEL_PRESETS, Llama, LlamaConfig, load_stories260k, load_tokenizer
 from .eval import PerplexityResult, perplexity
 from .train import TrainConfig, TrainResult
-from .ptq import AWQOptions, GPTQOptions, PTQConfig, PTQReport, RTNOptions, SmoothQuantOptions, quantize_model
+from .ptq import AutoRoundOptions, AWQOptions, GPTQOptions, PTQConfig, PTQReport, RTNOptions, SmoothQuantOptions, quantize_model
 from .lsq import DistillConfig, distill
 from .export import checkpoint_format, export_checkpoint, load_checkpoint
 
@@ -42,7 +42,7 @@ __all__ = [
     "MODEL_PRESETS", "Llama", "LlamaConfig", "load_stories260k", "load_tokenizer", "data_root",
     # workflows
     "TrainConfig", "TrainResult",  # blockscale.train.train runs it (bs.train is the package)
-    "PTQConfig", "PTQReport", "quantize_model", "RTNOptions", "AWQOptions", "SmoothQuantOptions", "GPTQOptions",
+    "PTQConfig", "PTQReport", "quantize_model", "RTNOptions", "AWQOptions", "SmoothQuantOptions", "GPTQOptions", "AutoRoundOptions",
     "DistillConfig", "distill",
     "export_checkpoint", "load_checkpoint", "load", "checkpoint_format",
     "PerplexityResult", "perplexity",

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_registry_and_options_in_the_config():
-    assert list(METHODS) == ["rtn", "awq", "smoothquant", "gptq"]
+    assert list(METHODS) == ["rtn", "awq", "smoothquant", "gptq", "autoround"]
     for name, opts in (("rtn", RTNOptions()), ("awq", AWQOptions()), ("smoothquant", SmoothQuantOptions()),
                        ("gptq", GPTQOptions())):
         assert PTQConfig(method=name).options == opts  # None: the method's defaults
@@ -151,10 +151,12 @@ def test_quantize_help_lists_every_method_flag_with_its_default(capsys):
         cli.main(["quantize", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for flag, default in (("--awq-grid", "20"), ("--awq-max-tokens", "4096"), ("--sq-alpha", "0.5"),
-                          ("--gptq-damp", "0.01"), ("--gptq-block-size", "128")):
+                          ("--gptq-damp", "0.01"), ("--gptq-block-size", "128"), ("--autoround-iters", "200"),
+                          ("--autoround-min-clip", "0.5")):
         assert flag in text and f"(default: {default})" in text.split(flag, 2)[-1][:200], flag
     for flag in ("--awq-duo-scaling, --no-awq-duo-scaling", "--gptq-act-order", "--gptq-static-groups",
-                 "--gptq-4over6 {aware,plain}", "--method {rtn,awq,smoothquant,gptq}"):
+                 "--gptq-4over6 {aware,plain}", "--method {rtn,awq,smoothquant,gptq,autoround}",
+                 "--autoround-clip-scales, --no-autoround-clip-scales"):
         assert flag in text, flag
 
 

@@ -118,7 +118,8 @@ CASES = [("llama", "rtn", None, "compressed-tensors"), ("llama", "rtn", None, "m
          ("llama", "awq", None, "compressed-tensors"), ("llama", "awq", None, "modelopt"),
          ("llama", "gptq", "nvfp4-experts-fp8-attention", "compressed-tensors"),
          ("llama", "rtn", "mxfp4-w4a16", "compressed-tensors"), ("llama", "awq", "fp8", "modelopt"),
-         ("llama", "smoothquant", "fp8", "compressed-tensors"),
+         ("llama", "smoothquant", "fp8", "compressed-tensors"), ("llama", "autoround", None, "modelopt"),
+         ("llama", "autoround", "nvfp4-experts-fp8-attention", "compressed-tensors"),
          ("mixtral", "rtn", None, "compressed-tensors"), ("mixtral", "rtn", None, "modelopt"),
          ("mixtral", "gptq", None, "compressed-tensors"), ("mixtral", "gptq", None, "modelopt"),
          ("mixtral", "rtn", "nvfp4-experts-fp8-attention", "compressed-tensors")]
@@ -184,8 +185,9 @@ def test_released_layers_hold_only_small_tensors(models, tmp_path):
     assert len(kept) == 3 and max(kept) * 100 < float_layer * 3
 
 
-def test_offload_activations(models, tmp_path):
-    src, cfg = models["llama"], _cfg("gptq")
+@pytest.mark.parametrize("method", ["gptq", "autoround"])
+def test_offload_activations(models, tmp_path, method):
+    src, cfg = models["llama"], _cfg(method)
     ref = _in_memory(src, tmp_path / "ref", cfg, "compressed-tensors")
     mine = tmp_path / "acts"
     mine.mkdir()

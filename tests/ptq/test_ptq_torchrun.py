@@ -124,6 +124,16 @@ def _non_finite_share() -> str:
         return f"{type(exc).__name__} synced={getattr(exc, 'blockscale_synced', False)}: {exc}"
 
 
+def _autoround_refused() -> str:
+    """AutoRound under the 2-rank group: refused before any work, on every rank."""
+    model, _, ids = build("rtn-w4a4")
+    try:
+        quantize_model(model, PTQConfig(method="autoround", batch_size=2), ids, progress=False)
+        return "no error"
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _worker(out_dir: str) -> None:
     torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -131,6 +141,7 @@ def _worker(out_dir: str) -> None:
     res = {case: run_case(case) for case in CASES}
     res["mismatch"] = _mismatch(rank)
     res["non_finite"] = _non_finite_share()
+    res["autoround"] = _autoround_refused()
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -273,6 +284,13 @@ def test_data_parallel_argument():
     quantize_model(ref, cfg, ids, progress=False)
     quantize_model(model, cfg, ids, progress=False, data_parallel=False)
     _same_state(model.state_dict(), ref.state_dict(), "data_parallel=False")
+
+
+def test_autoround_is_refused_data_parallel_on_every_rank(ranks):
+    for r in range(2):
+        assert ranks[r]["autoround"].startswith("UsageError: method='autoround' optimises each decoder layer on all "
+                                                "calibration batches at once and does not run data-parallel yet: "
+                                                "run it in one process"), ranks[r]["autoround"]
 
 
 def test_an_error_of_one_rank_is_raised_on_every_rank(ranks):

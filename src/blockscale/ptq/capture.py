@@ -41,15 +41,16 @@ class LayerInput:
     kwargs: dict[str, Any]
 
 
-def _to(obj, device):
+def to_device(obj, device):
+    """``obj`` (a tensor, or tuples / lists / dicts of them) on ``device``; anything else as it is."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, tuple):
-        return tuple(_to(o, device) for o in obj)
+        return tuple(to_device(o, device) for o in obj)
     if isinstance(obj, list):
-        return [_to(o, device) for o in obj]
+        return [to_device(o, device) for o in obj]
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -96,7 +97,7 @@ def run_layer(layer: nn.Module, inputs: list[LayerInput], device, keep_outputs: 
     once, so at most one batch's output is alive (the inputs may be read from disk one at a time); returns []."""
     outs = []
     for inp in inputs:
-        y = layer(_to(inp.hidden, device), *_to(inp.args, device), **_to(inp.kwargs, device))
+        y = layer(to_device(inp.hidden, device), *to_device(inp.args, device), **to_device(inp.kwargs, device))
         if not keep_outputs:
             del y
             continue
@@ -106,4 +107,4 @@ def run_layer(layer: nn.Module, inputs: list[LayerInput], device, keep_outputs: 
     return outs
 
 
-__all__ = ["LayerInput", "capture_first_layer_inputs", "decoder_layers", "run_layer"]
+__all__ = ["LayerInput", "capture_first_layer_inputs", "decoder_layers", "run_layer", "to_device"]

@@ -56,7 +56,7 @@ from ..errors import BlockscaleError, UsageError
 from ..nn.fused import fused_groups
 from ..nn.experts_layouts import experts_layout_of
 from .fused_experts import _outer_scales, expert_scale_groups
-from .protocol import QuantizedWeight
+from .protocol import QuantizedWeight, SolvedMethod
 from .scheme_quantize import group_weight_scale
 
 _SYNCED = "blockscale_synced"  # attribute set on an exception every rank raised together
@@ -396,23 +396,7 @@ class CalibrationRanks:
         for got in self._gather_objects(mine):
             results.update(got)
         devices = {key: w.device for key, w, *_ in jobs}
-        return _Solved(method, {k: QuantizedWeight(q.to(devices[k]), note) for k, (q, note) in results.items()})
-
-
-class _Solved:
-    """A PTQ method whose ``quantize_weight`` answers from solved results (by statistics name)."""
-
-    def __init__(self, method, results: dict):
-        self._method, self._results = method, results
-
-    def __getattr__(self, name):
-        return getattr(self._method, name)
-
-    def quantize_weight(self, weight, stats, spec, encode_scale):
-        res = self._results.get(stats.name) if stats is not None else None
-        if res is None or tuple(res.q.shape) != tuple(weight.shape):
-            return self._method.quantize_weight(weight, stats, spec, encode_scale)
-        return res
+        return SolvedMethod(method, {k: QuantizedWeight(q.to(devices[k]), note) for k, (q, note) in results.items()})
 
 
 def _jobs(model, linears, experts, stats, ex_stats, schemes, outer_scale) -> list[tuple]:

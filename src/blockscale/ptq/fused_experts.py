@@ -182,6 +182,37 @@ def _quantize_one(method, w: torch.Tensor, st: Optional[InputStatistics], spec, 
     return res.q, _rel(res.q, w), out, rtn, res.note
 
 
+@dataclass(frozen=True)
+class ExpertsStart:
+    """What ``PTQMethod.reconstruct_layer`` starts from for one fused-experts module: its ``layout``
+    (``nn.ExpertsLayout``), ``scheme``, and per projection ("gate_up" / "down") and expert: ``names`` the
+    statistics name ``quantize_one_experts`` will ask the method about, ``q`` the method's own
+    ``quantize_weight`` result (the out x in matrix with the scale ``quantize_one_experts`` gives it), and
+    ``input_amax`` the calibrated input amax (static activations only, else None)."""
+
+    layout: object
+    scheme: object
+    names: dict
+    q: dict
+    input_amax: Optional[dict] = None
+
+
+def experts_start(module: nn.Module, scheme, method, est: ExpertStatistics, fallback_amax: float,
+                  outer_scale: str = "expert") -> ExpertsStart:
+    """The ``ExpertsStart`` of ``module`` (exactly the ``quantize_weight`` calls ``quantize_one_experts`` makes)."""
+    layout = experts_layout_of(module)
+    W_gu, W_dn = layout.matrices(module)
+    S_all = _outer_scales(scheme, W_gu, W_dn, outer_scale)
+    names, qs = {p: [] for p in _PROJ}, {p: [] for p in _PROJ}
+    for e in range(W_gu.shape[0]):
+        for p, w in (("gate_up", W_gu[e]), ("down", W_dn[e])):
+            st = est.stats[p][e]
+            names[p].append(st.name)
+            qs[p].append(method.quantize_weight(w, st, scheme.weight_spec, S_all[p][e]).q)
+    amax = {p: _input_amax(est.stats[p], fallback_amax)[0] for p in _PROJ} if scheme.static_activations else None
+    return ExpertsStart(layout, scheme, names, qs, amax)
+
+
 def quantize_one_experts(name: str, module: nn.Module, scheme, method, est: Optional[ExpertStatistics],
                          fallback_amax: float, outer_scale: str = "expert") -> tuple[nn.Module, ExpertsReport]:
     """``module`` under ``scheme`` (outer scales per ``outer_scale``: "expert" or "tensor") and its report:
@@ -291,5 +322,5 @@ def expert_scale_groups(groups: list[list[str]], mode: str, schemes: dict) -> li
     return list(merged.values())
 
 
-__all__ = ["ExpertStatistics", "ExpertsReport", "OUTER_SCALE_MODES", "expert_scale_groups", "experts_summary",
-           "observe_experts", "quantize_experts", "quantize_one_experts"]
+__all__ = ["ExpertStatistics", "ExpertsReport", "ExpertsStart", "OUTER_SCALE_MODES", "expert_scale_groups",
+           "experts_start", "experts_summary", "observe_experts", "quantize_experts", "quantize_one_experts"]

@@ -74,6 +74,36 @@ class QuantizedWeight:
     latent: Optional[torch.Tensor] = None
 
 
+@dataclass(frozen=True)
+class StartWeight:
+    """What ``reconstruct_layer`` starts from for one Linear: ``q`` the method's own ``quantize_weight``
+    result before any reconstruction (round to nearest with the scheme's scale rule and the group's shared
+    scale; Hessian-aware block scales where the rule asks for them), its ``scheme`` (``recipes.Scheme``) and
+    ``input_amax``: the calibrated input amax of its fused group (a static activation scale's source)."""
+
+    q: QuantizedTensor
+    scheme: object
+    input_amax: float
+
+
+class SolvedMethod:
+    """A PTQ method whose ``quantize_weight`` answers from results solved beforehand, by statistics name
+    (``InputStatistics.name``); a weight without a result (or of another shape) goes to the method itself.
+    Every other attribute is the method's."""
+
+    def __init__(self, method, results: dict):
+        self._method, self._results = method, results
+
+    def __getattr__(self, name):
+        return getattr(self._method, name)
+
+    def quantize_weight(self, weight, stats, spec, encode_scale):
+        res = self._results.get(stats.name) if stats is not None else None
+        if res is None or tuple(res.q.shape) != tuple(weight.shape):
+            return self._method.quantize_weight(weight, stats, spec, encode_scale)
+        return res
+
+
 class PTQMethod:
     """One PTQ method, built from its options: ``METHODS[name](options)``.
 
@@ -86,6 +116,9 @@ class PTQMethod:
     (``ptq.fused_experts``); otherwise PTQ refuses models whose fused experts it would quantize.
     chooses_block_scales: ``quantize_weight`` picks each group's block scales itself (GPTQ, inside its
     error-feedback loop), so a scale rule that picks them from calibration weights cannot be combined.
+    reconstructs_layers: the method optimises a whole decoder layer's quantization at once on the layer's
+    calibration inputs (``reconstruct_layer``, AutoRound); quantize_model then quantizes each Linear from
+    its results.
     """
 
     name: ClassVar[str] = ""
@@ -96,6 +129,7 @@ class PTQMethod:
     compares_to_rtn: ClassVar[bool] = False
     quantizes_fused_experts: ClassVar[bool] = False
     chooses_block_scales: ClassVar[bool] = False
+    reconstructs_layers: ClassVar[bool] = False
 
     def __init__(self, options=None):
         options = self.Options() if options is None else options
@@ -128,6 +162,14 @@ class PTQMethod:
         already quantized (GPTQ's ``true_sequential``)."""
         return None
 
+    def reconstruct_layer(self, layer: LayerContext, inputs, device, start: dict) -> tuple[dict, dict]:
+        """2b. (``reconstructs_layers`` only; after the transform, with the statistics recorded again) the
+        layer's quantized weights chosen together: ``inputs`` the calibration batches at the layer's door
+        (``capture.LayerInput``), ``start`` full Linear name -> ``StartWeight``. Returns (results, figures):
+        statistics name -> ``QuantizedWeight`` (what ``quantize_weight`` then returns for that Linear), and
+        the layer's figures for ``PTQReport.method_stats`` (a JSON-able dict)."""
+        raise NotImplementedError(f"{type(self).__name__} does not reconstruct layers")
+
     def quantize_weight(self, weight: torch.Tensor, stats: Optional[InputStatistics], spec,
                         encode_scale: Optional[torch.Tensor]) -> QuantizedWeight:
         """3. ``weight`` [N, K] in ``spec`` (NVFP4 / FP8 / MX) with the group's shared scale (default:
@@ -135,4 +177,4 @@ class PTQMethod:
         return QuantizedWeight(rtn_quantize(weight, spec, encode_scale))
 
 
-__all__ = ["LayerContext", "PTQMethod", "QuantizedWeight"]
+__all__ = ["LayerContext", "PTQMethod", "QuantizedWeight", "SolvedMethod", "StartWeight"]

@@ -30,17 +30,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import QuantizationError
+from ..errors import QuantizationError, UsageError
 from ..nn.fused import fused_groups
 from ..quant import NVFP4
 from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
 from .config import PTQConfig
 from .distributed import CalibrationRanks, calibration_ranks
-from .fused_experts import ExpertsReport, expert_scale_groups, observe_experts, quantize_experts
+from .fused_experts import ExpertsReport, expert_scale_groups, experts_start, observe_experts, quantize_experts
 from .kv_calibration import calibrate_kv, check_kv_layers
 from .preflight import (check_calibration, check_coverage, check_experts_method, check_finite_parameters, check_layers,
                         check_method_schemes, plan_quantization)
-from .protocol import LayerContext, PTQMethod
+from .protocol import LayerContext, PTQMethod, SolvedMethod, StartWeight
 from .scheme_plan import unused_rule_warnings
 from .scheme_modules import build_linear
 from .scheme_quantize import group_weight_scale, rtn_quantize
@@ -70,7 +70,9 @@ class PTQReport:
     kv_cache (recipes with a kv_cache): {attention module: {"k_amax", "v_amax", "k_scale", "v_scale"}}
     as lists (one value per layer, or one per KV head), s = amax / 448; experts: one ``ExpertsReport``
     per fused 3-D experts module quantized (per-expert token counts: seen by its statistics and routed to
-    it, errors, input amax, the outer-scale mode, notes)."""
+    it, errors, input amax, the outer-scale mode, notes); method_stats: one dict per decoder layer from a
+    method that reconstructs layers (AutoRound: the layer's output error at its start and after, iterations,
+    seconds)."""
 
     config: dict
     layers: int = 0
@@ -83,6 +85,7 @@ class PTQReport:
     warnings: list[str] = field(default_factory=list)
     kv_cache: dict[str, dict] = field(default_factory=dict)
     experts: list[ExpertsReport] = field(default_factory=list)
+    method_stats: list[dict] = field(default_factory=list)  # per layer, from methods that reconstruct layers
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -133,9 +136,8 @@ def _quantize_one(n: str, lin: nn.Linear, st: Optional[InputStatistics], S: Opti
                              st.amax if st is not None else None, alpha, note, scheme.label)
 
 
-def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict, method: PTQMethod,
-                      report: PTQReport, alphas: dict[str, float], fallback_amax: float,
-                      expert_outer_scale: str = "expert", latent: Optional[dict] = None) -> None:
+def _groups(linears: dict[str, nn.Linear], stats, schemes: dict, fallback_amax: float, expert_outer_scale: str):
+    """(fused group, its scheme, the weight scale it shares, its calibrated input amax) for each fused group."""
     groups = fused_groups(list(linears))
     scale_group = {n: g for g in expert_scale_groups(groups, expert_outer_scale, schemes) for n in g}
     for group in groups:
@@ -147,6 +149,28 @@ def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict,
             S = group_weight_scale(scheme, [linears[n].weight for n in shared])
         except ValueError as err:
             raise QuantizationError(f"{', '.join(shared)}: {err}") from err
+        yield group, scheme, S, in_amax
+
+
+def _start_weights(linears: dict[str, nn.Linear], stats, schemes: dict, method: PTQMethod, fallback_amax: float,
+                   expert_outer_scale: str) -> dict[str, StartWeight]:
+    """Each Linear's ``StartWeight`` for ``reconstruct_layer``: the method's own ``quantize_weight``."""
+    start = {}
+    for group, scheme, S, in_amax in _groups(linears, stats, schemes, fallback_amax, expert_outer_scale):
+        for n in group:
+            w = linears[n].weight.detach()
+            try:
+                q = method.quantize_weight(w, stats[n] if stats is not None else None, scheme.weight_spec, S).q
+            except ValueError as err:
+                raise QuantizationError(f"{n}: {err}") from err
+            start[n] = StartWeight(q, scheme, in_amax)
+    return start
+
+
+def _quantize_linears(root, linears: dict[str, nn.Linear], stats, schemes: dict, method: PTQMethod,
+                      report: PTQReport, alphas: dict[str, float], fallback_amax: float,
+                      expert_outer_scale: str = "expert", latent: Optional[dict] = None) -> None:
+    for group, scheme, S, in_amax in _groups(linears, stats, schemes, fallback_amax, expert_outer_scale):
         for n in group:
             st = stats[n] if stats is not None else None
             try:
@@ -277,6 +301,9 @@ def start_pass(model: nn.Module, config: PTQConfig, calibration, device=None, *,
         home = torch.device("cpu")
     device = torch.device(device) if device is not None else home
     ranks = calibration_ranks(data_parallel)
+    if ranks.enabled and method.reconstructs_layers:
+        raise UsageError(f"method={config.method!r} optimises each decoder layer on all calibration batches at once "
+                         "and does not run data-parallel yet: run it in one process (without torchrun)")
     checks = (model, layers, prefix, config, calibration, report, check_finite)  # synced: one rank fails, all do
     per_layer, schemes, warned, per_layer_experts = ranks.synced(_preflight, *checks) if ranks.enabled else \
         _preflight(*checks)
@@ -328,6 +355,20 @@ def quantize_layer(run: LayerPass, i: int, inputs, advance=run_layer):
         if alphas and (static or method.quantizes_with_statistics):
             stats, ex_stats = run.ranks.statistics(record, device)
     fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
+    if method.reconstructs_layers and inputs is not None and (linears or experts):  # AutoRound: all at once
+        start = _start_weights(linears, stats, schemes, method, fallback, config.expert_outer_scale)
+        for name, module in experts.items():  # fused 3-D experts: every expert's projections
+            est = (ex_stats or {}).get(name)
+            if est is not None:
+                try:
+                    start[name] = experts_start(module, schemes[name], method, est, fallback, config.expert_outer_scale)
+                except ValueError as err:
+                    raise QuantizationError(f"{name}: {err}") from err
+        ctx = LayerContext(layer, i, linears, stats, run.spec, run.act_rule, ctx.schemes, experts, ex_stats or {},
+                           config.expert_outer_scale)
+        results, figures = method.reconstruct_layer(ctx, inputs, device, start)
+        report.method_stats.append({"layer": i, **figures})
+        method = SolvedMethod(method, results)
     stages = method.quantize_stages(layer, linears, inputs, device) if inputs is not None and linears else None
     if stages is not None and run.ranks.enabled:  # every rank takes the last rank's order (it has a batch)
         stages = run.ranks._gather_objects(stages)[-1]

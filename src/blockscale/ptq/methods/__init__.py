@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ...errors import UsageError
 from ..protocol import PTQMethod
+from .autoround import AutoRound, AutoRoundOptions
 from .awq import AWQ, AWQOptions
 from .gptq import GPTQ, GPTQOptions
 from .rtn import RTN, RTNOptions
@@ -36,6 +37,7 @@ register_method(RTN)
 register_method(AWQ)
 register_method(SmoothQuant)
 register_method(GPTQ)
+register_method(AutoRound)
 
-__all__ = ["AWQ", "AWQOptions", "GPTQ", "GPTQOptions", "METHODS", "RTN", "RTNOptions", "SmoothQuant",
+__all__ = ["AWQ", "AWQOptions", "AutoRound", "AutoRoundOptions", "GPTQ", "GPTQOptions", "METHODS", "RTN", "RTNOptions", "SmoothQuant",
            "SmoothQuantOptions", "get_method", "register_method"]
