@@ -45,8 +45,9 @@ METHODS = [
     # W4A4 only: Four Over Six on the activations too
     ("RTN-4/6, activations 4/6", dict(method="rtn", scale_rule="4over6", act_scale_rule="4over6")),
     ("GPTQ+4/6 (aware), activations 4/6", dict(method="gptq", scale_rule="4over6", act_scale_rule="4over6")),
+    ("AutoRound hessian, activations 4/6", dict(method="autoround", scale_rule="hessian", act_scale_rule="4over6")),
 ]
-W4A4_ONLY = {"RTN-4/6, activations 4/6", "GPTQ+4/6 (aware), activations 4/6"}
+W4A4_ONLY = {"RTN-4/6, activations 4/6", "GPTQ+4/6 (aware), activations 4/6", "AutoRound hessian, activations 4/6"}
 
 
 def run(args) -> None:
