@@ -32,6 +32,7 @@ from ....formats.e2m1 import pack_nibbles
 from ....formats.fp8 import FP8_DTYPES
 from ....formats.minifloat import E2M1, E4M3, FloatFormat, mul_pow2
 from ....formats.ue8m0 import decode_ue8m0
+from ....nn.straight_through import straight_through as straight_through_fn
 from ....quant import FP8, MX, NVFP4, QuantizedTensor
 from ....quant.fp8 import encode_with_scale, geometry
 from ....quant.mx import BLOCK as MX_BLOCK
@@ -48,20 +49,11 @@ def spacing(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), e - fmt.mbits)
 
 
-class _StraightThrough(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, value, surrogate):
-        return value.detach().clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, grad
-
-
 def straight_through(value: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
     """``value`` exactly in the forward (signed zeros too, which ``value + (s - s.detach())`` would turn into
-    +0), the gradient of ``surrogate`` (same shape) in the backward."""
-    return _StraightThrough.apply(value, surrogate)
+    +0), the gradient of ``surrogate`` (same shape) in the backward (``nn.straight_through``)."""
+    value = value.detach()
+    return straight_through_fn(surrogate, lambda _s: value.clone())
 
 
 class Grid:

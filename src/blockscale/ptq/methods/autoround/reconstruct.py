@@ -36,14 +36,16 @@ from .options import AutoRoundOptions
 _PROJ = ("gate_up", "down")
 
 
-def _zeros(grid: Grid) -> torch.Tensor:
-    return torch.zeros(grid.W.shape, dtype=torch.float32, device=grid.W.device, requires_grad=True)
+def _zeros(grid: Grid, lead: tuple = ()) -> torch.Tensor:
+    """V at its start (0), for one grid or ``lead`` grids of the same shape stacked."""
+    return torch.zeros((*lead, *grid.W.shape), dtype=torch.float32, device=grid.W.device, requires_grad=True)
 
 
-def _ones(grid: Grid, clip: bool) -> Optional[torch.Tensor]:
+def _ones(grid: Grid, clip: bool, lead: tuple = ()) -> Optional[torch.Tensor]:
+    """alpha at its start (1), or None when the grid's scales stay fixed."""
     if not clip or grid.alpha_shape is None:
         return None
-    return torch.ones(grid.alpha_shape, dtype=torch.float32, device=grid.W.device, requires_grad=True)
+    return torch.ones((*lead, *grid.alpha_shape), dtype=torch.float32, device=grid.W.device, requires_grad=True)
 
 
 class LinearLearner:
@@ -100,11 +102,8 @@ class ExpertsLearner:
         self.transposed = start.layout.name == "gpt-oss"  # its parameters are the out x in matrices transposed
         W = dict(zip(_PROJ, start.layout.matrices(module)))
         self.grids = {p: [make_grid(W[p][e], start.q[p][e]) for e in range(W[p].shape[0])] for p in _PROJ}
-        self.V = {p: _zeros(self.grids[p][0]).unsqueeze(0).repeat(len(self.grids[p]), 1, 1).detach().requires_grad_()
-                  for p in _PROJ}
-        one = {p: _ones(self.grids[p][0], clip) for p in _PROJ}
-        self.alpha = {p: None if one[p] is None else one[p].unsqueeze(0).repeat(len(self.grids[p]), 1, 1).detach()
-                      .requires_grad_() for p in _PROJ}
+        self.V = {p: _zeros(self.grids[p][0], (len(self.grids[p]),)) for p in _PROJ}
+        self.alpha = {p: _ones(self.grids[p][0], clip, (len(self.grids[p]),)) for p in _PROJ}
         scheme, amax = start.scheme, start.input_amax
         self.quantizers = None
         if scheme.quantizes_activations:
