@@ -29,7 +29,7 @@ CONFIGS = [
     ("GPTQ+4/6 (aware)", dict(method="gptq", scale_rule="4over6")),
     ("GPTQ+4/6 (aware) true-sequential", dict(method="gptq", scale_rule="4over6",
                                               options=GPTQOptions(true_sequential=True))),
-    ("AWQ+4/6", dict(method="awq", scale_rule="4over6")),
+    ("AWQ+4/6", dict(method="awq", scale_rule="4over6", options=AWQOptions(clip=False))),
     ("AWQ+4/6 clip", dict(method="awq", scale_rule="4over6", options=AWQOptions(clip=True))),
 ]
 

@@ -37,7 +37,7 @@ import torch
 from blockscale import lsq
 from blockscale.data.text_sources import calibration_batches
 from blockscale.models.hf import load_model
-from blockscale.ptq import GPTQOptions, PTQConfig
+from blockscale.ptq import AWQOptions, GPTQOptions, PTQConfig
 from blockscale.ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl
 
 MODELS = {
@@ -51,7 +51,7 @@ MODELS = {
 A46 = "RTN hessian, activations 4/6"
 STARTS = {
     "RTN-6": dict(method="rtn"),
-    "AWQ+4/6": dict(method="awq", scale_rule="4over6"),
+    "AWQ+4/6": dict(method="awq", scale_rule="4over6", options=AWQOptions(clip=False)),  # (as measured)
     "GPTQ+4/6 (aware)": dict(method="gptq", scale_rule="4over6", options=GPTQOptions(four_over_six="aware")),
     "RTN hessian": dict(method="rtn", scale_rule="hessian"),
     A46: dict(method="rtn", scale_rule="hessian", act_scale_rule="4over6"),
@@ -92,6 +92,20 @@ RUNS = [
     ("learned input scales", "RTN hessian", dict(PIPELINE, learn_input_scales=True), (50,), {"stories260k/w4a4"}),
     ("tied scales + weights", "RTN hessian", dict(PIPELINE, mode="tied", lr_pre_factor=1.0), (50,),
      {"stories260k/w4a16", "stories260k/w4a4"}),
+]
+# latent weights in block units (lsq.latent_weight: lr relative to each block's scale) and best-step selection on
+# 32 held-out training windows (the distillation loss, every 5 steps and the start): issue 32
+BLOCK_UNITS = dict(PIPELINE, weight_units="block", lr_weights=1e-3)
+SELECTED = dict(holdout=32, select_every=5)
+RUNS += [
+    ("pipeline, raw weight units (lr 5e-5), 50 steps", "RTN hessian", PIPELINE, (50,), ALL),
+    ("pipeline, block weight units (lr 1e-3)", "RTN hessian", BLOCK_UNITS, (50,), ALL),
+    ("pipeline, block weight units (lr 3e-3)", "RTN hessian", dict(BLOCK_UNITS, lr_weights=3e-3), (50,), ALL),
+    ("pipeline, block weight units (lr 1e-3), held-out best step", "RTN hessian", dict(BLOCK_UNITS, **SELECTED),
+     (50,), {"stories260k/w4a16", "stories260k/w4a4"}),
+    ("pipeline, block weight units (lr 3e-3), held-out best step", "RTN hessian",
+     dict(BLOCK_UNITS, lr_weights=3e-3, **SELECTED), (50,), ALL),
+    ("scales only, held-out best step", "RTN hessian", dict(SCALES_ONLY, **SELECTED), (50,), ALL),
 ]
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
 LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
@@ -153,16 +167,20 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
     # latent weights: the full-precision (transformed) weights PTQ rounded where they reproduce its codes
     weights, dequantized = lsq.exact_latent_weights(student, latent)
     lsq.enable(student, mode=s["mode"], init="stored", weights=weights, param=s["param"], dual_form=s["dual_form"],
-               learn_input_scales=s.get("learn_input_scales", False))
+               learn_input_scales=s.get("learn_input_scales", False), weight_units=s.get("weight_units", "raw"))
+    tokens, held = lsq.split_holdout(tokens, s.get("holdout", 0))  # held-out windows choose the step
     for m in milestones:
         cfg = lsq.DistillConfig(steps=m, lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]),
                                 seq_len=s.get("seq_len", spec["train_seq_len"]), lr_schedule=s["schedule"],
                                 warmup_steps=s["warmup"],
                                 schedule_steps=milestones[-1], lr_pre_factor=s.get("lr_pre_factor", 1.0),
                                 train=s.get("train", "scales"), lr_weights=s.get("lr_weights", 1e-5),
-                                min_lr_ratio=0.0, seed=0, out_dir=str(out / "train" / _dirname(key)), log_every=10)
+                                min_lr_ratio=0.0, seed=0, out_dir=str(out / "train" / _dirname(key)), log_every=10,
+                                keep_best=held is not None, eval_loss="distill" if held is not None else "next_token",
+                                eval_every=s.get("select_every", 0) if held is not None else 0,
+                                ckpt_every=0)
         t = time.time()
-        r = lsq.distill(student, lm.model, tokens, cfg, resume=True, progress=False)
+        r = lsq.distill(student, lm.model, tokens, cfg, eval_tokens=held, resume=True, progress=False)
         train_s = time.time() - t
         if res.get(f"{key}@{m}") is not None:
             continue
@@ -171,6 +189,7 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
                  "settings": s, "ppl": ppl, "ptq_seconds": ptq_s, "train_seconds_segment": train_s,
                  "seconds_per_step": r["seconds_per_step"], "optimizer_state_bytes": r["optimizer_state_bytes"],
                  "trainable_params": r["trainable_params"], "final_loss": r["final_loss"],
+                 "best_step": r["best_step"], "eval_losses": r["eval_losses"],
                  "latent_dequantized": len(dequantized), "latent_total": len(weights)})
 
 
@@ -269,12 +288,15 @@ _TABLE_RUNS = ("pipeline", "scales only", "pipeline, batch 16", "pipeline, 1 x 5
                "from RTN, learned scales and weights")
 
 
-def report(dirs, notes=None) -> str:
-    lines = ["# Recovering the 4-bit loss: PTQ, then learned block scales and weights", "",
-             "Generated by `python experiments/recovery_results.py --model M --out runs/recovery-M` (per model) then "
-             "`python experiments/recovery_results.py --report-only runs/recovery-smollm2 runs/recovery-stories260k "
-             "--notes docs/results/recovery-reading.md > docs/results/recovery.md` (the reading is written by hand).",
-             ""]
+GENERATED_BY = ("Generated by `python experiments/recovery_results.py --model M --out runs/recovery-M` (per model) "
+                "then `python experiments/recovery_results.py --report-only runs/recovery-smollm2 "
+                "runs/recovery-stories260k --notes docs/results/recovery-reading.md > docs/results/recovery.md` (the "
+                "reading is written by hand).")
+
+
+def report(dirs, notes=None, title="Recovering the 4-bit loss: PTQ, then learned block scales and weights",
+           generated_by=GENERATED_BY) -> str:
+    lines = [f"# {title}", "", generated_by, ""]
     for dd in dirs:
         dd = Path(dd)
         meta = json.loads((dd / "meta.json").read_text())
@@ -301,13 +323,14 @@ def report(dirs, notes=None) -> str:
                     and r["run"] not in _TABLE_RUNS]
             if rows:
                 lines += [f"### {acts.upper()}: variants, 50 steps (each its own 50-step schedule)", "",
-                          "| variant | start | lr | ppl | gap closed | s/step | trainable | optimizer state |",
-                          "|---|---|---:|---:|---:|---:|---:|---:|"]
+                          "| variant | start | lr | ppl | gap closed | step kept | s/step | trainable | optimizer state |",
+                          "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
                 for r in rows:
                     s = r["settings"]
                     name = f"{_label(s)} (the pipeline's, lr sweep)" if r["run"].startswith("lr ") else r["run"]
+                    kept = "last" if r.get("best_step") is None else r["best_step"]
                     lines.append(f"| {name} | {r['start']} | {_lrs(s)} | {r['ppl']:.4f} | "
-                                 f"{_closed(r['ppl'], rtn, fp):.0f}% | {r['seconds_per_step']:.2f} | "
+                                 f"{_closed(r['ppl'], rtn, fp):.0f}% | {kept} | {r['seconds_per_step']:.2f} | "
                                  f"{r['trainable_params']:,} | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
                 lines.append("")
     if notes:
@@ -323,9 +346,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="run names to run (e.g. pipeline)")
     ap.add_argument("--report-only", nargs="+", metavar="DIR")
     ap.add_argument("--notes")
+    ap.add_argument("--title", help="the report's title (default: the recovery pipeline's)")
+    ap.add_argument("--generated-by", help="the report's 'Generated by' paragraph (default: recovery.md's commands)")
     args = ap.parse_args(argv)
     if args.report_only:
-        print(report(args.report_only, args.notes))
+        kw = {k: v for k, v in (("title", args.title), ("generated_by", args.generated_by)) if v}
+        print(report(args.report_only, args.notes, **kw))
         return 0
     if not args.out:
         ap.error("--out is required (or --report-only)")

@@ -54,14 +54,21 @@ def _tensors(d: Path) -> dict:
     return load_file(str(d / "model.safetensors"))
 
 
-def test_fsdp_run_built_shard_by_shard_equals_the_single_process_run(tmp_path, model_dir, capsys):
+SELECTING = ["--n-samples", "24", "--holdout", "4", "--select-every", "1"]  # (later flags win)
+
+
+@pytest.mark.parametrize("selection", [False, True], ids=["last-step", "held-out-best-step"])
+def test_fsdp_run_built_shard_by_shard_equals_the_single_process_run(tmp_path, model_dir, capsys, selection):
     """Hessian-aware RTN initialisation, scales and latent weights trained for 3 steps: the checkpoint
     exported by 2 FSDP2 ranks (student streamed and sharded layer by layer, teacher read row by row; 1 window
-    per rank) is the single-process one (2 windows per step) byte for byte, and the losses agree."""
-    code, out, err = run_cli(["learn-scales", model_dir, "--out", tmp_path / "single", "--batch-size", "2", *RUN],
+    per rank) is the single-process one (2 windows per step) byte for byte, and the losses agree. With
+    best-step selection on 4 held-out windows (2 per rank) both pick the same step (each rank restores its
+    shards of it)."""
+    run = RUN + (SELECTING if selection else [])
+    code, out, err = run_cli(["learn-scales", model_dir, "--out", tmp_path / "single", "--batch-size", "2", *run],
                              capsys)
     assert code == 0, err
-    proc = _torchrun(tmp_path, str(model_dir), "--out", str(tmp_path / "fsdp"), "--batch-size", "1", "--fsdp", *RUN)
+    proc = _torchrun(tmp_path, str(model_dir), "--out", str(tmp_path / "fsdp"), "--batch-size", "1", "--fsdp", *run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrote compressed-tensors checkpoint" in proc.stdout and "loading it whole" not in proc.stdout
     single, sharded = _tensors(tmp_path / "single"), _tensors(tmp_path / "fsdp")
@@ -72,6 +79,11 @@ def test_fsdp_run_built_shard_by_shard_equals_the_single_process_run(tmp_path, m
     for key in ("first_loss", "final_loss"):
         assert b[key] == pytest.approx(a[key], rel=1e-5)
     assert b["optimizer_state_bytes"] < a["optimizer_state_bytes"]  # each rank holds its shard of Adam's state
+    if selection:
+        assert [s for s, _ in a["eval_losses"]] == [s for s, _ in b["eval_losses"]] == [0, 1, 2, 3]
+        assert [v for _, v in b["eval_losses"]] == pytest.approx([v for _, v in a["eval_losses"]], rel=1e-5)
+        assert a["best_step"] == b["best_step"] and a["best_step"] is not None
+        assert sorted(p.name for p in (tmp_path / "fsdp.train").glob("best*.pt")) == ["best.rank0.pt", "best.rank1.pt"]
 
 
 def test_a_checkpoint_input_with_a_bf16_teacher_and_activation_checkpointing(tmp_path, model_dir, capsys):

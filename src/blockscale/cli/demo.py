@@ -165,13 +165,16 @@ def _learn_scales(s: _Session, qmodel, latent, last: str, lsq_steps: int, lsq_lr
     lrs = f"lr {lsq_lr:g}" + (f", weights {lsq_lr_weights:g}" if lsq_train == "all" else "")
     print(f"[demo] learning the block value scales{' and latent weights' if lsq_train == 'all' else ''} of the "
           f"{last} model: {lsq_steps} steps of distillation from the full-precision model (dual scales, the "
-          f"codes' scales frozen; {lrs}; 4 x 128 tokens of {d.calib} per step) ...", flush=True)
+          f"codes' scales frozen; {lrs}; 4 x 128 tokens of {d.calib} per step; the step with the lowest loss on "
+          f"{lsq.RECOVERY_HOLDOUT} held-out windows kept, the start included) ...", flush=True)
     t = time.time()
     weights, _ = lsq.exact_latent_weights(qmodel, latent)  # step 0 == the PTQ model, bit for bit
     lsq.enable(qmodel, init="stored", weights=weights, **lsq.RECOVERY_ENABLE)
     tokens = calibration_batches(s.lm.tokenizer, d.calib, 512, 128, seed=1, bos=d.calib_bos)
+    tokens, held = lsq.split_holdout(tokens, lsq.RECOVERY_HOLDOUT)  # they choose the step (the start included)
     res = lsq.distill(qmodel, s.lm.model, tokens, lsq.recovery_distill_config(
-        lsq_steps, lr_scales=lsq_lr, train=lsq_train, lr_weights=lsq_lr_weights))
+        lsq_steps, lr_scales=lsq_lr, train=lsq_train, lr_weights=lsq_lr_weights, keep_best=True,
+        eval_loss="distill"), eval_tokens=held)
     lsq.freeze(qmodel)  # a plain NVFP4 model again, with the learned codes and E4M3 scales
     secs = time.time() - t
     rec = s.ppl(qmodel)
@@ -179,7 +182,8 @@ def _learn_scales(s: _Session, qmodel, latent, last: str, lsq_steps: int, lsq_lr
     s.reports[label] = {"steps": lsq_steps, "lr_scales": lsq_lr, "mode": "dual", "train": lsq_train,
                         "lr_weights": lsq_lr_weights if lsq_train == "all" else None, "ppl": record_dict(rec),
                         "seconds": secs, "trainable_params": res["trainable_params"],
-                        "first_loss": res["first_loss"], "final_loss": res["final_loss"]}
+                        "first_loss": res["first_loss"], "final_loss": res["final_loss"],
+                        "best_step": res["best_step"], "held_out_losses": res["eval_losses"]}
     print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable values)",
           flush=True)
     return label

@@ -23,36 +23,11 @@ from .learn_scales_teacher import (check_loaded_vocabulary, resolve_model_teache
 from .quantize import method_names, quantize_reported, skip_indivisible
 from .ranks import is_main_rank
 from ..errors import UsageError
-
-DEFAULT_LR_SCALES = 3e-3  # --param amax: docs/results/scale-learning.md
-DEFAULT_LR_SCALES_LOG = 3e-3  # --param log (the default): lsq.RECOVERY_LR_SCALES, docs/results/recovery.md
-DEFAULT_LR_WEIGHTS = 5e-5  # --train all: lsq.RECOVERY_LR_WEIGHTS, docs/results/recovery.md
-DEFAULT_MODE = "dual"  # value scales on the PTQ grid (with DEFAULT_LR_PRE_FACTOR): docs/results/recovery.md
-DEFAULT_PARAM = "log"
-DEFAULT_SCHEDULE = "cosine"
-DEFAULT_LR_PRE_FACTOR = 0.0  # --mode dual: the pre amaxes (codes) stay at the PTQ scales (docs/lsq.md "Dual scales")
-MAX_LR = 1e6  # Adam's first step moves a tensor by up to 10 lr: far below FP32's range, far above any useful lr
-
-
-def default_lr_scales(param: str) -> float:
-    """--lr-scales when not given: per parameterisation (a raw-amax lr and a log-amax lr are different units)."""
-    return DEFAULT_LR_SCALES_LOG if param == "log" else DEFAULT_LR_SCALES
-
-
-def default_warmup(steps: int) -> int:
-    """--warmup-steps when not given: a tenth of the run (0 below 10 steps)."""
-    return steps // 10
-
-
-def scales_stuck(steps_per_scale_step: float, steps: int) -> bool:
-    """Whether the run is too short for a typical block scale to move by one E4M3 step at all
-    (``lsq.steps_per_scale_step``'s estimate exceeds ``--steps``): then --lr-scales is too small."""
-    return steps_per_scale_step > steps
-
-
-def default_ckpt_interval(steps: int) -> int:
-    """--ckpt-interval when not given: a tenth of the run, at least every step and at most every 50."""
-    return max(1, min(50, steps // 10))
+from .learn_scales_defaults import (DEFAULT_LR_PRE_FACTOR, DEFAULT_LR_SCALES, DEFAULT_LR_SCALES_LOG, DEFAULT_LR_WEIGHTS,
+                                    DEFAULT_LR_WEIGHTS_BLOCK, DEFAULT_MODE, DEFAULT_PARAM, DEFAULT_SCHEDULE,
+                                    DEFAULT_WEIGHT_UNITS, MAX_LR, default_ckpt_interval, default_holdout,
+                                    default_lr_scales, default_lr_weights, default_select_every, default_warmup,
+                                    scales_stuck)
 
 
 def _rank_device(device: str) -> str:
@@ -105,6 +80,12 @@ def _check_flags(args) -> str:
     device = _rank_device(check_device(args.device))
     check_sharding_flags(args, device)
     check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="training tokens")
+    if args.holdout is not None and args.holdout >= args.n_samples:
+        raise UsageError(f"--holdout {args.holdout}: must be fewer than --n-samples {args.n_samples} (the held-out "
+                         "windows choose the step; the others train)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.holdout and getattr(args, "fsdp", False) and args.holdout % world:
+        raise UsageError(f"--holdout {args.holdout}: with --fsdp a multiple of the {world} processes")
     check_product(("--batch-size", args.batch_size), ("--seq-len", args.seq_len), what="tokens per micro step")
     check_text(args.data, "--data")
     if args.eval not in (None, "default"):
@@ -154,14 +135,24 @@ def _distill_config(args, train_dir: Path):
     ckpt_every = args.ckpt_interval if args.ckpt_interval is not None else default_ckpt_interval(args.steps)
     dual_pair = args.mode == "dual" and args.dual_form == "pair"
     lr_pre_factor = args.lr_pre_factor if args.lr_pre_factor is not None else (DEFAULT_LR_PRE_FACTOR if dual_pair else 1.0)
-    return lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=lr_scales, lr_weights=args.lr_weights,
+    return lsq.DistillConfig(train=args.train, steps=args.steps, lr_scales=lr_scales, lr_weights=lr_weights(args),
                              batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
                              temperature=args.temperature, ce_weight=args.ce_weight, seed=args.seed,
                              out_dir=str(train_dir), fsdp=bool(getattr(args, "fsdp", False)),
                              fsdp_param_dtype=getattr(args, "fsdp_param_dtype", "fp32"),
                              lr_schedule=args.lr_schedule, warmup_steps=warmup if args.lr_schedule != "constant" else 0,
                              min_lr_ratio=args.min_lr_ratio, lr_pre_factor=lr_pre_factor,
-                             freeze_pre_steps=args.freeze_pre_steps, ckpt_every=ckpt_every)
+                             freeze_pre_steps=args.freeze_pre_steps, ckpt_every=ckpt_every,
+                             eval_every=args.select_every or default_select_every(args.steps))
+
+
+def lr_weights(args) -> float:
+    return args.lr_weights if args.lr_weights is not None else default_lr_weights(args.weight_units)
+
+
+def holdout(args) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1")) if getattr(args, "fsdp", False) else 1
+    return args.holdout if args.holdout is not None else default_holdout(args.n_samples, world)
 
 
 def _run_record(args, is_ckpt: bool, recipe, teacher_name: str) -> dict:
@@ -176,6 +167,8 @@ def _run_record(args, is_ckpt: bool, recipe, teacher_name: str) -> dict:
         record.update(param=args.param, dual_form=args.dual_form)
     if args.learn_input_scales:
         record["learn_input_scales"] = True
+    if args.train == "all" and args.weight_units != "raw":
+        record["weight_units"] = args.weight_units
     return record
 
 
@@ -219,7 +212,8 @@ def _recovery_config(args, dcfg):
     from .. import lsq
 
     return lsq.RecoveryConfig(dcfg, mode=args.mode, param=args.param, dual_form=args.dual_form,
-                              learn_input_scales=args.learn_input_scales)
+                              learn_input_scales=args.learn_input_scales, weight_units=args.weight_units,
+                              holdout=holdout(args))
 
 
 def _on_enabled(args, lr_scales: float, enabled: bool):
@@ -258,7 +252,7 @@ def _recover(args, student, teacher, tokenizer, weights, defaults, dcfg, record:
         raise UsageError(f"--learn-input-scales: {err}") from None
     except TrainingDivergedError as err:
         raise TrainingDivergedError(f"{err} (--lr-scales {dcfg.lr_scales:g}"
-                                    + (f", --lr-weights {args.lr_weights:g}" if args.train == "all" else "")
+                                    + (f", --lr-weights {lr_weights(args):g}" if args.train == "all" else "")
                                     + f"); nothing was exported to {out}", err.step, err.checkpoint) from None
 
 
@@ -378,7 +372,7 @@ def cmd_learn_scales(args) -> int:
 
 
 def add_learn_scales(sub) -> None:
-    from ..lsq import DUAL_FORMS, LR_SCHEDULES, LSQ_MODES, LSQ_PARAMS
+    from ..lsq import DUAL_FORMS, LR_SCHEDULES, LSQ_MODES, LSQ_PARAMS, WEIGHT_UNITS
 
     p = sub.add_parser("learn-scales", help="learn NVFP4 block scales by distillation from the full-precision model",
                        description="Make the NVFP4 block scales of a quantized model trainable (LSQ, tied or dual), "
@@ -419,8 +413,17 @@ def add_learn_scales(sub) -> None:
                 "docs/lsq.md)")
     number(p, "--freeze-pre-steps", int, lo=0, hi=MAX_STEPS, default=0,
            help="with --mode dual --dual-form pair: the pre amaxes stay frozen for the first N steps")
-    number(p, "--lr-weights", float, lo=0.0, hi=MAX_LR, default=DEFAULT_LR_WEIGHTS,
-           help="peak Adam learning rate of the latent weights (raw units; used with --train all)")
+    number(p, "--lr-weights", float, lo=0.0, hi=MAX_LR, default=None,
+           help=f"peak Adam learning rate of the latent weights (--train all; default {DEFAULT_LR_WEIGHTS_BLOCK:g} with "
+                f"--weight-units block, {DEFAULT_LR_WEIGHTS:g} with raw)")
+    p.add_argument("--weight-units", default=DEFAULT_WEIGHT_UNITS, choices=WEIGHT_UNITS,
+                   help="units of the latent weights (--train all): block (relative to each block's scale: one lr is "
+                        "the same share of a quantization step on every model; default) or raw")
+    number(p, "--holdout", int, lo=0, hi=MAX_SAMPLES, default=None,
+           help="training windows held out to choose the step: the student keeps the step (the start included) with "
+                "the lowest distillation loss on them (default: --n-samples / 32; 0: the last step)")
+    number(p, "--select-every", int, lo=1, hi=MAX_STEPS, default=None,
+           help="evaluate the held-out windows every N steps (default: --steps / 5)")
     number(p, "--temperature", float, lo=0.0, lo_open=True, default=1.0)
     number(p, "--ce-weight", float, lo=0.0, default=0.0, help="weight of the next-token loss mixed into T^2 KL")
     number(p, "--batch-size", int, lo=1, hi=MAX_BATCH, default=4)

@@ -17,6 +17,7 @@ from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_
 from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats,
                      is_ptq_recipe_file, local_path, parse_dtype, resolve_ptq_recipe, resolve_recipe, setup,
                      show_progress)
+from .learn_scales_defaults import DEFAULT_LR_WEIGHTS_BLOCK
 from .reporting import ArgumentParser, run_reported
 from .quantize import (add_method_flags, method_names, method_options, no_tokenizer_error, quantize_reported,
                        skip_indivisible)
@@ -278,8 +279,9 @@ def _add_demo(sub) -> None:
     d.add_argument("--lsq-train", default="all", choices=("all", "scales"),
                    help="what the distillation steps learn: the value scales and the latent weights (default all), "
                         "or the scales only")
-    number(d, "--lsq-lr-weights", float, lo=0.0, lo_open=True, default=5e-5,
-           help="learning rate of the latent weights with --lsq-train all (default 5e-05: docs/results/recovery.md)")
+    number(d, "--lsq-lr-weights", float, lo=0.0, lo_open=True, default=DEFAULT_LR_WEIGHTS_BLOCK,
+           help=f"learning rate of the latent weights with --lsq-train all, relative to each block's scale (default "
+                f"{DEFAULT_LR_WEIGHTS_BLOCK:g}: docs/results/recovery.md)")
     add_common(d)
     d.set_defaults(func=_cmd_demo)
 

@@ -33,13 +33,14 @@ from torch import nn
 
 from ..eval.next_token import model_device, next_token_loss, output_logits
 from ..train import CheckpointContents, DistInfo, LoopConfig, StepReport, derive_seed, run_training
-from ..train.distributed import cleanup_distributed, join_distributed
+from ..train.distributed import all_reduce_mean, cleanup_distributed, join_distributed
 from ..train.fsdp import check_fsdp_options, is_sharded, require_distributed, shard_model, unshard_model
 from .quantizer import ignore_fsdp_view_warning
 from .enable import learner_modules, lsq_layers, scale_parameters, weight_parameters
 from .parameterisation import PRE_PARAMETER_NAMES
 
 DISTILL_TRAIN = ("scales", "all")
+EVAL_LOSSES = ("next_token", "distill")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 DISTILL_CKPT_NAME = "latest.pt"
 DISTILL_METRICS_NAME = "metrics.jsonl"
@@ -65,7 +66,14 @@ class DistillConfig:
     ``schedule_steps`` (None: ``steps``; set it to run a longer schedule in segments, e.g. evaluating at
     50 / 100 of a 200-step one); ``lr_factor(step)`` gives the factor. lr_pre_factor: dual mode ("pair"
     form) only, the pre amaxes' (the codes' grid) lr is lr_scales * lr_pre_factor (0 freezes them);
-    freeze_pre_steps: the pre amaxes stay frozen for the first N steps."""
+    freeze_pre_steps: the pre amaxes stay frozen for the first N steps.
+    keep_best: best-step selection (needs ``eval_tokens``: a held-out split of the training text, never the
+    evaluation text): the student is also evaluated before the first step, and at the end holds the trainable
+    tensors of the evaluation with the lowest loss (every ``eval_every`` steps and the last; the start included,
+    so learning never returns a student worse on that split than it started; ``train.best_step``).
+    eval_loss: what an evaluation measures on ``eval_tokens``: "next_token" (the student's next-token cross
+    entropy) or "distill" (the training objective, ``distill_loss`` against the teacher: what best-step
+    selection should minimise; ``recover`` with a holdout uses it)."""
 
     train: str = "scales"
     steps: int = 100
@@ -90,6 +98,8 @@ class DistillConfig:
     lr_pre_factor: float = 1.0
     freeze_pre_steps: int = 0
     ckpt_every: Optional[int] = None
+    keep_best: bool = False
+    eval_loss: str = "next_token"
 
     def __post_init__(self):
         check_fsdp_options(self.fsdp, self.fsdp_param_dtype, "DistillConfig")
@@ -132,6 +142,11 @@ class DistillConfig:
                                  f"{'> 0' if positive else '>= 0'}")
         if self.train == "all" and self.lr_weights <= 0:
             raise ValueError(f"DistillConfig.lr_weights={self.lr_weights!r}; allowed values: > 0 when train='all'")
+        if self.eval_loss not in EVAL_LOSSES:
+            raise ValueError(f"DistillConfig.eval_loss={self.eval_loss!r}; allowed values: "
+                             f"{', '.join(map(repr, EVAL_LOSSES))}")
+        if not isinstance(self.keep_best, bool):
+            raise ValueError(f"DistillConfig.keep_best={self.keep_best!r}; allowed values: True, False")
         if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
             raise ValueError(f"DistillConfig.out_dir={self.out_dir!r}; allowed values: None or a path")
 
@@ -166,7 +181,7 @@ class DistillConfig:
 
 _SCHEDULE_FIELDS = tuple(f for f in dataclasses.fields(DistillConfig)
                          if f.name in ("lr_schedule", "warmup_steps", "min_lr_ratio", "schedule_steps", "lr_pre_factor",
-                                       "freeze_pre_steps"))
+                                       "freeze_pre_steps", "keep_best", "eval_loss"))
 
 
 # ----------------------------------------------------------------------------- loss
@@ -206,6 +221,27 @@ def eval_next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int
     batches = [(x, x[:, 1:]) for x in (rows[i:i + batch_size] for i in range(0, rows.shape[0], batch_size))]
     return next_token_loss(model, batches, device=model_device(model), world_size=info.world_size,
                            progress="evaluation" if progress else None)[0]
+
+
+@torch.no_grad()
+def eval_distill_loss(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: DistillConfig,
+                      info: DistInfo = DistInfo()) -> float:
+    """The distillation loss (``distill_loss`` with ``cfg``'s temperature and ce_weight) of ``student`` against
+    ``teacher`` on the windows ``tokens`` [n, T] (whole windows, ``cfg.batch_size`` at a time; rows split over
+    ranks, the mean over all rows)."""
+    rows = tokens[info.rank::info.world_size]
+    t_device, s_device = model_device(teacher), model_device(student)
+    total = torch.zeros(2, dtype=torch.float64)
+    for i in range(0, rows.shape[0], cfg.batch_size):
+        x = rows[i:i + cfg.batch_size].long()
+        t_logits = output_logits(teacher(x.to(t_device)))
+        if is_sharded(teacher):
+            teacher.reshard()
+        xs = x.to(s_device)
+        loss = distill_loss(output_logits(student(xs)), t_logits, xs, cfg.temperature, cfg.ce_weight)[0]
+        total += torch.tensor([float(loss) * x.shape[0], x.shape[0]], dtype=torch.float64)
+    total = all_reduce_mean(total, info)
+    return float(total[0] / total[1])
 
 
 def steps_per_scale_step(model: nn.Module, lr: float, max_samples: int = 1 << 20) -> tuple[float, float]:
@@ -328,6 +364,8 @@ class DistillTask:
         return loss, torch.stack([loss.detach(), kl.detach(), ce.detach()])
 
     def evaluate(self, student, info: DistInfo, device, amp: Callable, progress: bool) -> float:
+        if self.cfg.eval_loss == "distill":
+            return eval_distill_loss(student, self.teacher, self.eval_tokens, self.cfg, info)
         return eval_next_token_loss(student, self.eval_tokens, self.cfg.batch_size, None, info, progress=progress)
 
     def metrics_row(self, r: StepReport) -> dict:
@@ -344,7 +382,8 @@ class DistillTask:
     def log_line(self, r: StepReport, progress: bool) -> Optional[str]:
         if r.val_loss is None:
             return None
-        return f"step {r.step}/{r.steps}  loss {r.stats[0]:.4f}  eval next-token loss {r.val_loss:.4f}"
+        what = "held-out distillation" if self.cfg.eval_loss == "distill" else "eval next-token"
+        return f"step {r.step}/{r.steps}  loss {r.stats[0]:.4f}  {what} loss {r.val_loss:.4f}"
 
 
 # ----------------------------------------------------------------------------- training
@@ -361,7 +400,8 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
     teacher, LSQ mode, ...), saved in the checkpoint; resuming from one that records another raises
     TrainingCheckpointError naming the difference unless ``force`` (one without a record: a note). Returns
     {"steps", "final_loss", "first_loss", "trainable_params", "optimizer_state_bytes",
-    "seconds_per_step", "metrics_path"} (losses of the steps run by this call; None if none ran).
+    "seconds_per_step", "metrics_path", "best_step", "best_eval_loss", "eval_losses"} (losses of the steps run
+    by this call; None if none ran; best_*: with ``cfg.keep_best``, the step the student holds and its loss).
     The loop is ``train.loop.run_training`` with a ``DistillTask``.
     """
     if not isinstance(cfg, DistillConfig):
@@ -375,8 +415,12 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
         raise ValueError(f"tokens {tuple(tokens.shape)}: need n >= 1 windows of T >= seq_len={cfg.seq_len} tokens")
     if resume and cfg.out_dir is None:
         raise ValueError("resume=True needs cfg.out_dir")
+    if cfg.keep_best and eval_tokens is None:
+        raise ValueError("DistillConfig.keep_best needs eval_tokens (held-out windows of the training text that "
+                         "choose the step)")
     loop = LoopConfig(steps=cfg.steps, grad_accum=cfg.grad_accum, grad_clip=cfg.max_grad_norm,
-                      log_interval=cfg.log_every, eval=eval_tokens is not None and cfg.eval_every > 0,
+                      log_interval=cfg.log_every, eval=eval_tokens is not None and (cfg.eval_every > 0 or cfg.keep_best),
+                      keep_best=cfg.keep_best,
                       eval_interval=cfg.eval_every, ckpt_interval=cfg.checkpoint_interval,
                       out_dir=None if cfg.out_dir is None else str(cfg.out_dir), ckpt_name=DISTILL_CKPT_NAME,
                       metrics_name=DISTILL_METRICS_NAME, plot_name=DISTILL_PLOT_NAME, plot_label="distill",
@@ -391,7 +435,9 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
             "first_loss": res.train_losses[0] if res.train_losses else None,
             "trainable_params": res.trainable_params, "optimizer_state_bytes": res.optimizer_state_bytes,
             "seconds_per_step": sum(res.step_seconds) / len(res.step_seconds) if res.step_seconds else None,
-            "metrics_path": str(res.metrics_path) if res.metrics_path is not None else None}
+            "metrics_path": str(res.metrics_path) if res.metrics_path is not None else None,
+            "best_step": res.best_step, "best_eval_loss": res.best_val_loss,
+            "eval_losses": [[s, v] for s, v in res.val_losses]}
 
 
 def _distill_fsdp(student, teacher, task, loop, cfg, eval_tokens, resume, record, force):
@@ -422,5 +468,5 @@ def _distill_fsdp(student, teacher, task, loop, cfg, eval_tokens, resume, record
         cleanup_distributed(info)
 
 
-__all__ = ["DISTILL_TRAIN", "DistillConfig", "DistillTask", "distill", "distill_loss", "eval_next_token_loss",
+__all__ = ["DISTILL_TRAIN", "EVAL_LOSSES", "eval_distill_loss", "DistillConfig", "DistillTask", "distill", "distill_loss", "eval_next_token_loss",
            "load_distill_checkpoint", "steps_per_scale_step"]

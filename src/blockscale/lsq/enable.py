@@ -19,6 +19,7 @@ from ..nn.fused import fused_groups
 from ..nn.nvfp4_experts import NVFP4Experts
 from ..nn.nvfp4_linear import NVFP4Linear
 from .experts import LSQExperts, NVFP4ExpertsScaleLearner, enable_experts, freeze_experts
+from .latent_weight import check_weight_units
 from .parameterisation import SCALE_PARAMETER_NAMES, check_parameterisation
 from .input_scale import learned_input_quantize, learned_input_scale
 from .quantizer import LSQ_INITS, LSQ_MODES, NVFP4ScaleLearner
@@ -90,7 +91,7 @@ def _latent_weight(name: str, m: NVFP4Linear, weights) -> torch.Tensor:
 def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
            weights: Union[nn.Module, dict, None] = None, grad_scale: float = 1.0,
            train_weights: bool = False, param: str = "amax", dual_form: str = "pair",
-           learn_input_scales: bool = False) -> list[str]:
+           learn_input_scales: bool = False, weight_units: str = "raw") -> list[str]:
     """Make the block scales of every ``NVFP4Linear`` and ``NVFP4Experts`` (fused MoE experts) in ``model``
     trainable (in place); returns the names (Linears first, then the experts modules).
 
@@ -99,6 +100,9 @@ def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
       relative to its initial value: one lr is the same relative step on every model); dual_form: "pair"
       (independent pre / post, the write-up's) or "ratio" (post = pre * a learned ratio). See
       ``lsq.parameterisation``; every choice gives the same step-0 forward bit for bit.
+    weight_units: the units the latent weights train in (``train_weights``): "raw" or "block" (relative to each
+      block's scale at the start: one lr is the same share of a quantization step on every model; see
+      ``lsq.latent_weight``); step 0 is the same either way, bit for bit.
     learn_input_scales: W4A4 Linears (activation rule "6") also learn their activation outer scale
       (``lsq.input_scale``: the clipping level, log units); fused experts' input scales stay fixed.
     init: "stored" (the PTQ model's E4M3 scales) or a scale rule "6" / "4over6" / "sweep" ("mse") /
@@ -118,6 +122,7 @@ def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
     if init not in ENABLE_INITS:
         raise ValueError(f"init={init!r}; allowed values: {', '.join(ENABLE_INITS)}")
     check_parameterisation(mode, param, dual_form)
+    check_weight_units(weight_units)
     if learn_input_scales:
         bad = [n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)
                and (m.input_global_scale is None or m.input_scale_rule != "6")]
@@ -142,10 +147,12 @@ def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
                                     dual_form=dual_form)
         if init == "stored":
             learner.set_scales(m.weight_scale)
+        if weight_units == "block":
+            learner.use_block_units(learner.block_scale())
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, LSQLinear(m, learner, input_params.get(name)))
     return [n for n, _ in targets] + enable_experts(model, mode, init, weights, grad_scale, train_weights, param,
-                                                    dual_form)
+                                                    dual_form, weight_units)
 
 
 @torch.no_grad()
@@ -215,9 +222,9 @@ def weight_parameters(model: nn.Module) -> list[nn.Parameter]:
     out = []
     for m in model.modules():
         if isinstance(m, LSQLinear):
-            out.append(m.learner.weight)
+            out.append(m.learner.weight_parameter())
         elif isinstance(m, LSQExperts):
-            out += [learner.weight for learner in m.learners().values()]
+            out += [learner.weight_parameter() for learner in m.learners().values()]
     return out
 
 

@@ -19,6 +19,7 @@ from ..formats.e2m1 import pack_nibbles
 from ..nn.nvfp4_experts import NVFP4Experts
 from ..quant.dispatch import quantize
 from ..quant.nvfp4 import NVFP4, e2m1_codes
+from .latent_weight import LatentWeight
 from .parameterisation import BlockAmaxes
 from .quantizer import (BLOCK, LSQ_INITS, LSQ_MODES, _INIT_RULE, _amax_for_scales, _inv, _LSQFn, _signed,
                         block_scales)
@@ -26,7 +27,7 @@ from .quantizer import (BLOCK, LSQ_INITS, LSQ_MODES, _INIT_RULE, _amax_for_scale
 EXPERT_PROJECTIONS = ("gate_up", "down")
 
 
-class NVFP4ExpertsScaleLearner(BlockAmaxes, nn.Module):
+class NVFP4ExpertsScaleLearner(BlockAmaxes, LatentWeight, nn.Module):
     """A learnable NVFP4 fake quantizer of stacked expert weights W [E, N, K] (K a multiple of 16).
 
     weight: FP32 ``nn.Parameter`` [E, N, K] (requires_grad = ``train_weight``); ``encode_scale`` S [E]
@@ -58,7 +59,7 @@ class NVFP4ExpertsScaleLearner(BlockAmaxes, nn.Module):
         self.init, self.grad_scale = init, float(grad_scale)
         self.spec = NVFP4(scale_rule=_INIT_RULE[init])
         w = weight.detach().to(torch.float32).clone()
-        self.weight = nn.Parameter(w, requires_grad=train_weight)
+        self.init_latent_weight(w, train_weight)
         self.register_buffer("encode_scale", S.clone())
         if init == "6":
             amax = w.abs().reshape(E, N, K // BLOCK, BLOCK).amax(-1)
@@ -79,7 +80,12 @@ class NVFP4ExpertsScaleLearner(BlockAmaxes, nn.Module):
 
     def forward(self) -> torch.Tensor:
         pre, post = self.amaxes()
-        return _LSQFn.apply(self.weight, pre, post, self._S(), self.grad_scale)
+        return _LSQFn.apply(self.latent_weight(), pre, post, self._S(), self.grad_scale)
+
+    @torch.no_grad()
+    def block_scale(self) -> torch.Tensor:
+        """The (pre) block scales in real units, stored E4M3 scale / S [E, N, K/16] (the codes' grid)."""
+        return block_scales(self.amaxes()[0], self._S()) / self._S()
 
     @torch.no_grad()
     def codes_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,15 +93,17 @@ class NVFP4ExpertsScaleLearner(BlockAmaxes, nn.Module):
         s_post, so that the stored expert dequantizes to forward()[e] exactly."""
         pre, post = self.amaxes()
         S = self._S()
-        E, N, K = self.weight.shape
+        w = self.latent_weight().detach()
+        E, N, K = w.shape
         s_pre = block_scales(pre, S)
         s_post = s_pre if post is None else block_scales(post, S)
-        xb = self.weight.detach().reshape(E, N, K // BLOCK, BLOCK)
+        xb = w.reshape(E, N, K // BLOCK, BLOCK)
         _, _, neg, v = _signed(xb, s_pre.unsqueeze(-1), _inv(S).unsqueeze(-1))
         return pack_nibbles(e2m1_codes(neg, v).reshape(E, N, K)), s_post.to(torch.float8_e4m3fn)
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.weight.shape)}, {self.amax_repr()}, init={self.init!r}, grad_scale={self.grad_scale}"
+        return (f"shape={tuple(self.weight_parameter().shape)}, {self.amax_repr()}, init={self.init!r}, "
+                f"grad_scale={self.grad_scale}" + (", weight_units='block'" if self.weight_units == "block" else ""))
 
 
 class _StraightThroughExpertInput(torch.autograd.Function):
@@ -164,7 +172,8 @@ def latent_expert_weights(name: str, m: NVFP4Experts, weights) -> tuple[torch.Te
 
 
 def enable_experts(model: nn.Module, mode: str, init: str, weights, grad_scale: float,
-                   train_weights: bool, param: str = "amax", dual_form: str = "pair") -> list[str]:
+                   train_weights: bool, param: str = "amax", dual_form: str = "pair",
+                   weight_units: str = "raw") -> list[str]:
     """Replace every ``NVFP4Experts`` of ``model`` by an ``LSQExperts`` (see ``lsq.enable``); returns the names."""
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Experts)]
     for name, m in targets:
@@ -177,6 +186,8 @@ def enable_experts(model: nn.Module, mode: str, init: str, weights, grad_scale: 
                                                dual_form=dual_form)
             if init == "stored":
                 learner.set_scales(getattr(m, f"{p}_weight_scale"))
+            if weight_units == "block":
+                learner.use_block_units(learner.block_scale())
             learners.append(learner)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, LSQExperts(m, *learners))

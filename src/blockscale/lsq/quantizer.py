@@ -36,6 +36,7 @@ from ..quant.dispatch import quantize
 from ..quant.nvfp4 import (NVFP4, amax_of_outer_scale, block_scales as nvfp4_block_scales, e2m1_codes,
                            encode_multiplier, encode_scale_tensor, rounded_magnitudes)
 from ..quant.tensor import QuantizedTensor
+from .latent_weight import LatentWeight
 from .parameterisation import BlockAmaxes
 
 BLOCK = 16
@@ -168,10 +169,11 @@ def ignore_fsdp_view_warning() -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w*ScaleLearner\) returned a view tensor")
 
 
-class NVFP4ScaleLearner(BlockAmaxes, nn.Module):
+class NVFP4ScaleLearner(BlockAmaxes, LatentWeight, nn.Module):
     """A learnable NVFP4 fake quantizer of one weight [N, K] (K a multiple of 16).
 
-    weight: an FP32 ``nn.Parameter`` (requires_grad = ``train_weight``). Tied mode: ``amax`` [N, K/16];
+    weight: an FP32 ``nn.Parameter`` (requires_grad = ``train_weight``; ``use_block_units`` re-expresses it in
+    units of each block's scale: ``lsq.latent_weight``). Tied mode: ``amax`` [N, K/16];
     dual mode: ``amax_pre`` (codes) and ``amax_post`` (value scale). param / dual_form: the units the
     amaxes train in (``lsq.parameterisation``: "amax" raw, or "log": ``log_amax`` relative to the initial
     amax; dual "pair" or "ratio"). ``encode_scale`` S (buffer, FP32 [])
@@ -201,7 +203,7 @@ class NVFP4ScaleLearner(BlockAmaxes, nn.Module):
         self.init, self.grad_scale = init, float(grad_scale)
         self.spec = NVFP4(scale_rule=_INIT_RULE[init])
         w = weight.detach().to(torch.float32).clone()
-        self.weight = nn.Parameter(w, requires_grad=train_weight)
+        self.init_latent_weight(w, train_weight)
         self.register_buffer("encode_scale", S.clone())
         N, K = w.shape
         if init == "6":
@@ -219,15 +221,21 @@ class NVFP4ScaleLearner(BlockAmaxes, nn.Module):
     def forward(self) -> torch.Tensor:
         """The fake-quantized weight x~ [N, K] FP32."""
         pre, post = self.amaxes()
-        return _LSQFn.apply(self.weight, pre, post, self.encode_scale, self.grad_scale)
+        return _LSQFn.apply(self.latent_weight(), pre, post, self.encode_scale, self.grad_scale)
+
+    @torch.no_grad()
+    def block_scale(self) -> torch.Tensor:
+        """The (pre) block scales in real units, stored E4M3 scale / S [N, K/16] (the codes' grid)."""
+        return block_scales(self.amaxes()[0], self.encode_scale) / self.encode_scale
 
     @torch.no_grad()
     def to_quantized(self) -> QuantizedTensor:
         """NVFP4 export: codes from s_pre (tied: s), E4M3 scales s_e_post; dequantize() == forward()."""
         pre, post = self.amaxes()
         S = self.encode_scale
-        N, K = self.weight.shape
-        xb = self.weight.detach().reshape(N, K // BLOCK, BLOCK)
+        w = self.latent_weight().detach()
+        N, K = w.shape
+        xb = w.reshape(N, K // BLOCK, BLOCK)
         s_pre = block_scales(pre, S)
         s_post = s_pre if post is None else block_scales(post, S)
         _, _, neg, v = _signed(xb, s_pre.unsqueeze(-1), _inv(S))
@@ -237,4 +245,5 @@ class NVFP4ScaleLearner(BlockAmaxes, nn.Module):
                                shape=torch.Size((N, K)), dtype=torch.float32, outer_scale=S.clone(), amax=amax_st)
 
     def extra_repr(self) -> str:
-        return f"shape={tuple(self.weight.shape)}, {self.amax_repr()}, init={self.init!r}, grad_scale={self.grad_scale}"
+        return (f"shape={tuple(self.weight_parameter().shape)}, {self.amax_repr()}, init={self.init!r}, "
+                f"grad_scale={self.grad_scale}" + (", weight_units='block'" if self.weight_units == "block" else ""))

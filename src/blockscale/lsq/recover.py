@@ -11,6 +11,7 @@ distill from the teacher, measure again, freeze).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -23,6 +24,7 @@ from ..train.distributed import env_world
 from ..train.fsdp import is_sharded, unshard_blockwise
 from .distill import DistillConfig, distill
 from .enable import enable, exact_latent_weights, freeze
+from .latent_weight import check_weight_units
 from .recovery import RECOVERY_ENABLE
 
 FUSED_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # 3-D parameters of fused MoE experts modules
@@ -78,14 +80,37 @@ def quantize_student(model: nn.Module, tokenizer, config: PTQConfig, calib: str,
 @dataclass(frozen=True)
 class RecoveryConfig:
     """One scale-learning run: ``distill`` (steps, learning rates, batches, schedule, ``out_dir``) and how the
-    block scales become trainable (``enable``'s ``mode`` / ``param`` / ``dual_form`` / ``learn_input_scales``;
-    defaults: the recovery pipeline's ``RECOVERY_ENABLE``)."""
+    block scales become trainable (``enable``'s ``mode`` / ``param`` / ``dual_form`` / ``learn_input_scales`` /
+    ``weight_units``; defaults: the recovery pipeline's ``RECOVERY_ENABLE``). holdout: the last ``holdout``
+    training windows are held out of training and choose the step (``DistillConfig.keep_best``: the distillation
+    loss on them, ``eval_loss="distill"``, evaluated at
+    the start, every ``distill.eval_every`` steps and at the end; the student keeps the best, the start
+    included); 0: no selection, the last step."""
 
     distill: DistillConfig = field(default_factory=DistillConfig)
     mode: str = RECOVERY_ENABLE["mode"]
     param: str = RECOVERY_ENABLE["param"]
     dual_form: str = RECOVERY_ENABLE["dual_form"]
     learn_input_scales: bool = False
+    weight_units: str = RECOVERY_ENABLE["weight_units"]
+    holdout: int = 0
+
+    def __post_init__(self):
+        check_weight_units(self.weight_units)
+        h = self.holdout
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ValueError(f"RecoveryConfig.holdout={h!r}; allowed values: integers >= 0")
+
+
+def split_holdout(tokens: torch.Tensor, holdout: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(training windows, held-out windows or None): the last ``holdout`` rows of ``tokens`` [n, T] held out;
+    ValueError when fewer than one training window would remain."""
+    if not holdout:
+        return tokens, None
+    if tokens.shape[0] <= holdout:
+        raise ValueError(f"holdout={holdout}: the training text gives {tokens.shape[0]} windows; hold out fewer "
+                         "(at least one must remain to train on)")
+    return tokens[:-holdout], tokens[-holdout:]
 
 
 @dataclass
@@ -129,7 +154,8 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
 
     In order: ``enable(student, init="stored", weights=weights, ...)`` with ``config``'s options (its
     ValueError becomes a ``ScaleSetupError``), ``on_enabled(student)``, the training windows (``tokens``: an
-    integer tensor [n, T], or a function drawing them, called here), ``evaluate(student, "before")``,
+    integer tensor [n, T], or a function drawing them, called here; the last ``config.holdout`` of them held
+    out to choose the step), ``evaluate(student, "before")``,
     ``lsq.distill`` (``resume`` / ``record`` / ``force`` / ``progress`` as there), ``evaluate(student,
     "after")`` and ``freeze(student)``. Under torchrun only rank 0 evaluates and freezes (``main_rank``).
     A run that diverges raises ``train.TrainingDivergedError``.
@@ -140,13 +166,17 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
     if not enabled:
         try:
             enable(student, mode=config.mode, init="stored", weights=weights, param=config.param,
-                   dual_form=config.dual_form, learn_input_scales=config.learn_input_scales)
+                   dual_form=config.dual_form, learn_input_scales=config.learn_input_scales,
+                   weight_units=config.weight_units)
         except ValueError as err:
             raise ScaleSetupError(str(err)) from err
     if on_enabled is not None:
         on_enabled(student)
     if callable(tokens):
         tokens = tokens()
+    tokens, held = split_holdout(tokens, config.holdout)
+    dcfg = (config.distill if held is None
+            else dataclasses.replace(config.distill, keep_best=True, eval_loss="distill"))
     main_rank = is_main_rank()
     sharded = is_sharded(student)
     evaluations = {}
@@ -154,8 +184,8 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
         before = evaluate(student, "before")
         if main_rank:
             evaluations["before"] = before
-    summary = distill(student, teacher, tokens, config.distill, resume=resume, progress=progress, record=record,
-                      force=force)
+    summary = distill(student, teacher, tokens, dcfg, eval_tokens=held, resume=resume, progress=progress,
+                      record=record, force=force)
     if sharded:  # each block gathered, frozen on rank 0 (its latent weights become codes), dropped elsewhere
         unshard_blockwise(student, on_block=freeze if main_rank else None, keep=main_rank)
     if not main_rank:
@@ -166,5 +196,5 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
     return RecoveryResult(summary, evaluations)
 
 
-__all__ = ["FUSED_EXPERT_WEIGHTS", "QuantizedStudent", "RecoveryConfig", "RecoveryResult", "ScaleSetupError",
+__all__ = ["split_holdout", "FUSED_EXPERT_WEIGHTS", "QuantizedStudent", "RecoveryConfig", "RecoveryResult", "ScaleSetupError",
            "fused_expert_weights", "is_main_rank", "perplexity_evaluator", "quantize_student", "recover"]

@@ -62,7 +62,8 @@ def _enable_layer(layer: nn.Module, recovery: RecoveryConfig, weights) -> None:
     if not learner_candidates(layer):
         return  # nothing NVFP4 in this layer (a recipe that keeps it in high precision)
     enable(layer, mode=recovery.mode, init="stored", weights=weights, param=recovery.param,
-           dual_form=recovery.dual_form, learn_input_scales=recovery.learn_input_scales)
+           dual_form=recovery.dual_form, learn_input_scales=recovery.learn_input_scales,
+           weight_units=recovery.weight_units)
 
 
 def learner_candidates(module: nn.Module) -> bool:

@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from ..errors import BlockscaleError
 from ..file_errors import write_text_atomic
+from .best_step import BestStep
 from .checkpoint import CheckpointContents
 from .device import autocast_context
 from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, join_distributed, no_sync
@@ -83,7 +84,10 @@ class LoopConfig:
     fsdp_cpu_offload: FSDP2's CPU offload policy (an accelerator run); fsdp_keep_sharded: the model stays
     sharded at the end (a trainable-only task whose caller gathers it: ``fsdp.unshard_blockwise``).
     expert_parallel: a ``nn.moe_parallel.CommConfig``: shard the MoE experts over the ranks (with DDP for
-    the rest; ``train.expert_parallel``), None: no expert parallelism."""
+    the rest; ``train.expert_parallel``), None: no expert parallelism.
+    keep_best: (needs ``eval``) also evaluate before the first step, and at the end put back the trainable
+    tensors of the evaluation with the lowest loss, the start included (``train.best_step``); checkpoints
+    still hold the last step (a resumed run continues from there)."""
 
     steps: int
     grad_accum: int = 1
@@ -108,6 +112,11 @@ class LoopConfig:
     fsdp_cpu_offload: bool = False
     fsdp_keep_sharded: bool = False
     expert_parallel: Optional[object] = None
+    keep_best: bool = False
+
+    def __post_init__(self):
+        if self.keep_best and not self.eval:
+            raise ValueError("LoopConfig.keep_best needs eval=True (the evaluations choose the step)")
 
 
 @dataclass(frozen=True)
@@ -167,7 +176,8 @@ class TrainingTask(Protocol):
 class TrainResult:
     """What a run did. ``train_losses[i]`` is the loss of step ``start_step + i + 1`` (1-based);
     ``step_seconds[i]`` its wall time; ``trainable_params``: numbers trained; ``optimizer_state_bytes``:
-    the optimizer's tensors at the end."""
+    the optimizer's tensors at the end; ``best_step`` / ``best_val_loss``: with ``keep_best``, the step whose
+    tensors the model holds at the end (``start_step`` when no evaluation beat the start) and its loss."""
 
     step: int
     start_step: int
@@ -183,6 +193,8 @@ class TrainResult:
     step_seconds: list[float] = field(default_factory=list)
     trainable_params: int = 0
     optimizer_state_bytes: int = 0
+    best_step: Optional[int] = None
+    best_val_loss: Optional[float] = None
 
     @property
     def already_finished(self) -> bool:
@@ -269,6 +281,23 @@ class _Run:
         self.amp = autocast_context(loop.autocast, self.device)
         self.tokens_per_step = loop.batch_tokens * loop.grad_accum * info.world_size
         self.good_step = self.start_step if state is not None else None  # the step of the checkpoint on disk, if ours
+        self.best = None
+        if loop.keep_best:
+            self._start_best(state is not None)
+
+    def _start_best(self, resumed: bool) -> None:
+        """keep_best: the snapshot written before a resume, else an evaluation of the model as it starts."""
+        name = f"best.rank{self.info.rank}.pt" if self.loop.fsdp else "best.pt"
+        self.best = BestStep(self.params, self.out / name if self.out is not None else None)
+        if resumed and self.best.load(self.start_step):
+            return
+        if not resumed and self.best.path is not None and self.best.path.exists() and (self.main or self.loop.fsdp):
+            self.best.path.unlink()  # ours, from an earlier run in this out_dir
+        loss = self.task.evaluate(self.model, self.info, self.device, self.amp, self.loop.progress and self.main)
+        self.best.offer(self.start_step, loss)
+        self.val_hist.append((self.start_step, loss))
+        if self.main:
+            self.bar.log(f"step {self.start_step} (the start): eval loss {loss:.4f}")
 
     def _prepare_out_dir(self, resumed: bool) -> None:
         """Rank 0: out_dir made, the metrics file cut back to the resumed step (or removed), config.json."""
@@ -346,6 +375,8 @@ class _Run:
         if loop.eval and (last or (loop.eval_interval and done % loop.eval_interval == 0)):
             self.val_loss = self.task.evaluate(self.model, self.info, self.device, self.amp, loop.progress and main)
             self.val_hist.append((done, self.val_loss))
+            if self.best is not None:
+                self.best.offer(done, self.val_loss)
         if not (done % loop.log_interval == 0 or self.val_loss is not None or last):
             return
         now = time.perf_counter()
@@ -366,6 +397,8 @@ class _Run:
         if not _all_finite(self.params, self.info):
             raise _diverged("a trained tensor is not finite after the update", done, self.shown_ckpt, self.good_step)
         self.strategy.save(self.ckpt, self.model, self.optimizer, done, self._elapsed)
+        if self.best is not None:
+            self.best.save(self.main or self.loop.fsdp)
         barrier(self.info)
         self.good_step = done
 
@@ -377,6 +410,9 @@ class _Run:
             self.val_hist.append((loop.steps, self.val_loss))
         state_bytes = local_state_bytes(self.optimizer)
         steps = max(loop.steps, self.start_step)
+        if self.best is not None and self.best.step != steps and self.best.restore() and main:
+            self.bar.log(f"kept step {self.best.step} (eval loss {self.best.loss:.4f}): the lowest evaluation loss; "
+                         f"step {steps}'s was {self.val_hist[-1][1]:.4f}")
         self.strategy.finish(self.model, self.optimizer, self.ckpt, steps, self._elapsed, trained=bool(self.losses))
         plot_path = None
         if main and out is not None and loop.plot_name:
@@ -389,7 +425,9 @@ class _Run:
                            elapsed_s=self._elapsed(), metrics_path=self.metrics_path,
                            checkpoint_path=ckpt_path if ckpt_path is not None and ckpt_path.exists() else None,
                            plot_path=plot_path, step_seconds=self.step_seconds,
-                           trainable_params=sum(p.numel() for p in self.params), optimizer_state_bytes=state_bytes)
+                           trainable_params=sum(p.numel() for p in self.params), optimizer_state_bytes=state_bytes,
+                           best_step=self.best.step if self.best is not None else None,
+                           best_val_loss=self.best.loss if self.best is not None else None)
 
 
 __all__ = ["LoopConfig", "StepReport", "TrainResult", "TrainingDivergedError", "TrainingTask", "run_training"]

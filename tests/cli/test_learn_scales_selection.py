@@ -1,0 +1,56 @@
+"""learn-scales best-step selection on held-out training windows and latent weights in block units (issue 32):
+by default a run never exports a student worse on its held-out windows than the PTQ model it started from."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from blockscale import cli
+from blockscale.cli.learn_scales_defaults import default_holdout, default_lr_weights, default_select_every
+from cli_runs import run_cli as run
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = ["--skip-indivisible", "--n-samples", "40", "--seq-len", "32", "--batch-size", "2"]
+
+
+def test_default_holdout_and_weight_lr():
+    assert [default_holdout(n) for n in (8, 31, 32, 40, 256)] == [0, 0, 1, 1, 8]
+    assert default_holdout(40, world_size=2) == 0 and default_holdout(64, world_size=2) == 2
+    assert default_holdout(96, world_size=2) == 2 and default_holdout(128, world_size=3) == 3
+    assert [default_select_every(s) for s in (1, 4, 5, 50, 200)] == [1, 1, 1, 10, 40]
+    assert (default_lr_weights("block"), default_lr_weights("raw")) == (3e-3, 5e-5)
+
+
+def test_a_run_that_only_gets_worse_exports_its_ptq_start(tmp_path, capsys):
+    """A learning rate far too large: every evaluation on the held-out windows is worse than the start, so the
+    export is the PTQ model's tensors exactly (the same as `blockscale quantize`)."""
+    ptq = tmp_path / "ptq"
+    assert cli.main(["quantize", "stories260k", "--skip-indivisible", "--out", str(ptq)]) == 0
+    out = tmp_path / "out"
+    code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--train", "all", "--steps", "6",
+                             "--lr-scales", "3", "--lr-weights", "3", "--select-every", "1", "--out", out], capsys)
+    assert code == 0, err
+    assert "kept step 0" in stdout + err
+    report = json.loads((out / "lsq_report.json").read_text())
+    assert report["distill"]["best_step"] == 0
+    losses = dict(report["distill"]["eval_losses"])
+    assert sorted(losses) == [0, 1, 2, 3, 4, 5, 6] and min(losses[s] for s in range(1, 7)) > losses[0]
+    got, want = load_file(out / "model.safetensors"), load_file(ptq / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    state = torch.load(tmp_path / "out.train" / "latest.pt", map_location="cpu", weights_only=True)
+    assert state["step"] == 6 and any(k.endswith("weight_relative") for k in state["trainable"])  # block units
+
+
+def test_holdout_0_exports_the_last_step(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--steps", "3", "--holdout", "0",
+                             "--out", out], capsys)
+    assert code == 0, err
+    assert "kept step" not in stdout + err
+    report = json.loads((out / "lsq_report.json").read_text())
+    assert report["distill"]["best_step"] is None and report["distill"]["eval_losses"] == []
