@@ -98,7 +98,11 @@ def test_learn_scales_default_lr_moves_scales_on_stories260k(stories260k_copy):
     assert args.mode == "dual" and args.lr_pre_factor is None and args.train == "scales"  # value scales on the PTQ grid
     assert default_lr_scales("log") == DEFAULT_LR_SCALES_LOG == RECOVERY_LR_SCALES == 3e-3
     assert default_lr_scales("amax") == DEFAULT_LR_SCALES == 3e-3
-    assert args.lr_weights == RECOVERY_LR_WEIGHTS == 5e-5  # the recovery pipeline's (docs/results/recovery.md)
+    from blockscale.cli.learn_scales import default_lr_weights
+
+    # the recovery pipeline's, in units of each block's scale (docs/results/recovery-defaults.md)
+    assert args.lr_weights is None and args.weight_units == "block"
+    assert default_lr_weights("block") == RECOVERY_LR_WEIGHTS == 3e-3
     lm = stories260k_copy
     with pytest.warns(RuntimeWarning, match="not a multiple of 16"):
         quantize_model(lm.model, PTQConfig(skip_indivisible=True), progress=False)

@@ -272,7 +272,7 @@ def _single_process_student(base: Path, cfg, calibration):
     latent = {}
     quantize_model(model, cfg, calibration, progress=False, latent_weights=latent)
     weights, deq = exact_latent_weights(model, latent)
-    enable(model, mode="dual", init="stored", weights=weights, param="log", dual_form="pair")
+    enable(model, mode="dual", init="stored", weights=weights, param="log", dual_form="pair", weight_units="block")
     return {n: p.detach() for n, p in model.named_parameters()}, deq
 
 
@@ -286,7 +286,7 @@ def test_the_streamed_sharded_student_equals_the_single_process_one(runs):
 
     base, ranks = runs
     rec = RecoveryConfig()
-    assert (rec.mode, rec.param, rec.dual_form) == ("dual", "log", "pair")
+    assert (rec.mode, rec.param, rec.dual_form, rec.weight_units) == ("dual", "log", "pair", "block")
     want, _ = _single_process_student(base, PTQConfig(method="rtn"), None)
     got = ranks[0]["student_rtn"]["state"]
     assert sorted(got) == sorted(want)
