@@ -223,6 +223,17 @@ def eval_next_token_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int
                            progress="evaluation" if progress else None)[0]
 
 
+def window_loss(student: nn.Module, teacher: nn.Module, x: torch.Tensor, device, cfg: DistillConfig):
+    """``distill_loss`` (loss, kl, ce) of ``student`` (on ``device``) against the frozen ``teacher`` on the token
+    windows ``x`` [B, L]: the one forward pair of a training micro step and of a held-out evaluation."""
+    with torch.no_grad():
+        t_logits = output_logits(teacher(x.to(model_device(teacher))))
+    if is_sharded(teacher):  # FSDP2 keeps a root's parameters gathered after its forward (for the
+        teacher.reshard()    # backward, which a frozen teacher never runs): free them now
+    xs = x.to(device)
+    return distill_loss(output_logits(student(xs)), t_logits, xs, cfg.temperature, cfg.ce_weight)
+
+
 @torch.no_grad()
 def eval_distill_loss(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: DistillConfig,
                       info: DistInfo = DistInfo()) -> float:
@@ -230,15 +241,11 @@ def eval_distill_loss(student: nn.Module, teacher: nn.Module, tokens: torch.Tens
     ``teacher`` on the windows ``tokens`` [n, T] (whole windows, ``cfg.batch_size`` at a time; rows split over
     ranks, the mean over all rows)."""
     rows = tokens[info.rank::info.world_size]
-    t_device, s_device = model_device(teacher), model_device(student)
+    device = model_device(student)
     total = torch.zeros(2, dtype=torch.float64)
     for i in range(0, rows.shape[0], cfg.batch_size):
         x = rows[i:i + cfg.batch_size].long()
-        t_logits = output_logits(teacher(x.to(t_device)))
-        if is_sharded(teacher):
-            teacher.reshard()
-        xs = x.to(s_device)
-        loss = distill_loss(output_logits(student(xs)), t_logits, xs, cfg.temperature, cfg.ce_weight)[0]
+        loss = window_loss(student, teacher, x, device, cfg)[0]
         total += torch.tensor([float(loss) * x.shape[0], x.shape[0]], dtype=torch.float64)
     total = all_reduce_mean(total, info)
     return float(total[0] / total[1])
@@ -297,7 +304,6 @@ class DistillTask:
                  eval_tokens: Optional[torch.Tensor] = None):
         self.teacher, self.tokens, self.cfg, self.eval_tokens = teacher, tokens, cfg, eval_tokens
         self.config = cfg.to_dict()
-        self.t_device = model_device(teacher)
         self.groups: list[dict] = []
 
     def trainable(self, student: nn.Module) -> list[nn.Parameter]:
@@ -353,14 +359,8 @@ class DistillTask:
         return None
 
     def loss(self, student, step: int, micro: int, info: DistInfo, device) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        x = _batch(self.tokens, cfg, step, micro, info)
-        with torch.no_grad():
-            t_logits = output_logits(self.teacher(x.to(self.t_device)))
-        if is_sharded(self.teacher):  # FSDP2 keeps a root's parameters gathered after its forward (for the
-            self.teacher.reshard()    # backward, which a frozen teacher never runs): free them now
-        xs = x.to(device)
-        loss, kl, ce = distill_loss(output_logits(student(xs)), t_logits, xs, cfg.temperature, cfg.ce_weight)
+        x = _batch(self.tokens, self.cfg, step, micro, info)
+        loss, kl, ce = window_loss(student, self.teacher, x, device, self.cfg)
         return loss, torch.stack([loss.detach(), kl.detach(), ce.detach()])
 
     def evaluate(self, student, info: DistInfo, device, amp: Callable, progress: bool) -> float:
