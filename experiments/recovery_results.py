@@ -7,6 +7,13 @@ learning rates, learned W4A4 input scales, larger batches).
     python experiments/recovery_results.py --model smollm2-135m --out runs/recovery-smollm2         # resumable
     python experiments/recovery_results.py --report-only runs/recovery-smollm2 runs/recovery-stories260k \
         --notes docs/results/recovery-reading.md > docs/results/recovery.md
+    python experiments/recovery_results.py --model qwen2.5-coder-0.5b --out runs/recovery-qwen05 \
+        --activations w4a16 --only 'defaults (learn-scales --steps 50)'    # a model nobody tuned on: lsq's defaults
+
+Models: the two the defaults were chosen on (stories260k, smollm2-135m: every run) and Qwen2.5-Coder-0.5B-Instruct
+(the GGUF of experiments/fetch_qwen_gguf.py --model 0.5b; only the runs that name it: lsq's defaults unchanged).
+The PTQ rows of each table (``PTQ_ROWS``) include GPTQ, AWQ and AutoRound started from the Hessian-aware scales;
+``--only LABEL`` with a PTQ row's label runs that row.
 
 ``--only NAME ...`` runs just those runs (e.g. ``pipeline``), ``--activations w4a16`` one activation mode.
 The pipeline: PTQ with Hessian-aware block scales (``scale_rule="hessian"``), then distillation from the
@@ -37,7 +44,7 @@ import torch
 from blockscale import lsq
 from blockscale.data.text_sources import calibration_batches
 from blockscale.models.hf import load_model
-from blockscale.ptq import AWQOptions, GPTQOptions, PTQConfig
+from blockscale.ptq import AutoRoundOptions, AWQOptions, GPTQOptions, PTQConfig
 from blockscale.ptq.pipeline import calibrate_and_quantize, default_texts, evaluate_ppl
 
 MODELS = {
@@ -45,19 +52,35 @@ MODELS = {
                          train_samples=512, train_seq_len=128, batch_size=4, skip_indivisible=False),
     "stories260k": dict(eval="tinystories#0:0.8", eval_tokens=128 * 512, ctx=512, calib_samples=128, calib_seq_len=512,
                         train_samples=512, train_seq_len=256, batch_size=4, skip_indivisible=True),
+    # nobody tuned on it: the GGUF of experiments/fetch_qwen_gguf.py --model 0.5b (dequantized Q4_K_M weights are
+    # the full-precision baseline); 16 evaluation windows (a 40-window evaluation takes ~7 min on 2 cores)
+    "qwen2.5-coder-0.5b": dict(path=str(Path.home() / ".cache/blockscale/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+                               eval="wikitext2", eval_tokens=16 * 1024, ctx=1024, calib_samples=32, calib_seq_len=512,
+                               train_samples=512, train_seq_len=128, batch_size=4, skip_indivisible=False),
 }
 
 # PTQ starts: label -> PTQConfig fields (activations added per run)
 A46 = "RTN hessian, activations 4/6"
+AR50 = "AutoRound hessian, 50 iters"
 STARTS = {
     "RTN-6": dict(method="rtn"),
     "AWQ+4/6": dict(method="awq", scale_rule="4over6", options=AWQOptions(clip=False)),  # (as measured)
     "GPTQ+4/6 (aware)": dict(method="gptq", scale_rule="4over6", options=GPTQOptions(four_over_six="aware")),
     "RTN hessian": dict(method="rtn", scale_rule="hessian"),
     A46: dict(method="rtn", scale_rule="hessian", act_scale_rule="4over6"),
+    "GPTQ": dict(method="gptq"),
+    "AWQ": dict(method="awq", options=AWQOptions(clip=False)),
+    # AutoRound from the Hessian-aware scales with a quarter of its default 200 iterations per decoder layer (200
+    # take ~90 min on SmolLM2 on 2 cores: 0.9 s per iteration and layer)
+    AR50: dict(method="autoround", scale_rule="hessian", options=AutoRoundOptions(iters=50)),
+    AR50 + ", 128 windows": dict(method="autoround", scale_rule="hessian", options=AutoRoundOptions(iters=50),
+                                 n_samples=128),
+    "RTN hessian, 128 windows": dict(method="rtn", scale_rule="hessian", n_samples=128),
 }
 # PTQ rows of the tables (the pipeline's starts and, for comparison, the best methods of docs/results/ptq.md)
-PTQ_ROWS = {"smollm2-135m": {"w4a16": ("RTN hessian",), "w4a4": ("RTN hessian", A46)},
+PTQ_ROWS = {"smollm2-135m": {"w4a16": ("RTN hessian", "GPTQ", "AWQ", AR50, "RTN hessian, 128 windows",
+                                       AR50 + ", 128 windows"), "w4a4": ("RTN hessian", A46)},
+            "qwen2.5-coder-0.5b": {"w4a16": ("RTN hessian", "GPTQ", "AWQ"), "w4a4": ("RTN hessian",)},
             "stories260k": {"w4a16": ("GPTQ+4/6 (aware)", "RTN hessian"),
                             "w4a4": ("GPTQ+4/6 (aware)", "RTN hessian", A46)}}
 # the pipeline's starts: W4A4 twice (activations scaled to 6, as engines do; Four Over Six on the activations)
@@ -106,7 +129,20 @@ RUNS += [
     ("pipeline, block weight units (lr 3e-3), held-out best step", "RTN hessian",
      dict(BLOCK_UNITS, lr_weights=3e-3, **SELECTED), (50,), ALL),
     ("scales only, held-out best step", "RTN hessian", dict(SCALES_ONLY, **SELECTED), (50,), ALL),
+    ("scales only (lr 1e-2), held-out best step", "RTN hessian", dict(SCALES_ONLY, lr=1e-2, **SELECTED), (50,), ALL),
 ]
+# lsq's recovery defaults exactly as ``learn-scales --steps 50`` runs them (lsq.RECOVERY_*, recovery_distill_config:
+# warm-up a tenth, held-out selection every fifth of the run on RECOVERY_HOLDOUT windows), on models nobody tuned on
+DEFAULTS = dict(PIPELINE, **lsq.RECOVERY_ENABLE, lr=lsq.RECOVERY_LR_SCALES, lr_weights=lsq.RECOVERY_LR_WEIGHTS,
+                warmup=5, holdout=lsq.RECOVERY_HOLDOUT, select_every=10)
+UNTUNED = {"qwen2.5-coder-0.5b/w4a16", "qwen2.5-coder-0.5b/w4a4"}
+RUNS += [
+    ("defaults (learn-scales --steps 50)", "RTN hessian", DEFAULTS, (50,), UNTUNED),
+    ("defaults, scales only (--train scales)", "RTN hessian", dict(DEFAULTS, train="scales"), (50,), UNTUNED),
+    ("defaults at a third of the lr (1e-3 / 1e-3)", "RTN hessian", dict(DEFAULTS, lr=1e-3, lr_weights=1e-3), (50,),
+     UNTUNED),
+]
+TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
 LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
             "smollm2-135m": ((1e-2, LR_WEIGHTS), (3e-3, 1e-4))}
@@ -119,18 +155,22 @@ def _ppl(model, lm, spec, d) -> float:
 _CACHE: dict = {}  # (start, acts) -> (quantized model, seconds, latent): each PTQ runs once per process
 
 
-def _quantized(lm, start: str, acts: str, spec, d):
+def _quantized(lm, start: str, acts: str, spec, d, keep: bool = True):
+    """The ``start`` quantization of a copy of the model, its seconds and latent weights; kept for the learned-scale
+    runs that start from it when ``keep`` (a 0.5B model's copy and latent weights hold 4 GB)."""
     if (start, acts) in _CACHE:
         qm, sec, latent = _CACHE[(start, acts)]
         return copy.deepcopy(qm), sec, latent
     student = copy.deepcopy(lm.model)
-    cfg = PTQConfig(activations=acts, n_samples=spec["calib_samples"], seq_len=spec["calib_seq_len"],
-                    skip_indivisible=spec["skip_indivisible"], **STARTS[start])
+    fields = dict(STARTS[start])  # a start may calibrate on more windows than the model's default
+    cfg = PTQConfig(activations=acts, n_samples=fields.pop("n_samples", spec["calib_samples"]),
+                    seq_len=spec["calib_seq_len"], skip_indivisible=spec["skip_indivisible"], **fields)
     t = time.time()
     latent = {}
     calibrate_and_quantize(student, lm.tokenizer, cfg, d.calib, d.calib_bos, progress=False, latent_weights=latent)
     sec = time.time() - t
-    _CACHE[(start, acts)] = (copy.deepcopy(student), sec, latent)
+    if keep:
+        _CACHE[(start, acts)] = (copy.deepcopy(student), sec, latent)
     return student, sec, latent
 
 
@@ -198,12 +238,12 @@ def _runs(model: str, acts: str):
     pipeline start) and, in W4A16, the learning-rate sweep."""
     out = []
     for name, start, s, milestones, where in RUNS:
-        if where is not None and f"{model}/{acts}" not in where:
+        if (where is None and model not in TUNING_MODELS) or (where is not None and f"{model}/{acts}" not in where):
             continue
         for st in (PIPELINE_STARTS[acts] if start == "pipeline" else (start,)):
             out.append((name, st, s, milestones))
     if acts == "w4a16":
-        for lr, lw in LR_SWEEP[model]:
+        for lr, lw in LR_SWEEP.get(model, ()):
             out.append((f"lr {lr:g} / {lw:g}", PIPELINE_STARTS[acts][0], dict(PIPELINE, lr=lr, lr_weights=lw), (50,)))
     return out
 
@@ -213,8 +253,8 @@ def run_all(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     spec = MODELS[args.model]
-    lm = load_model(args.model)
-    d = default_texts(args.model)
+    lm = load_model(spec.get("path", args.model))
+    d = default_texts(spec.get("path", args.model))
     res = Results(out)
     meta = {"model": args.model, **{k: v for k, v in spec.items()}, "calib": d.calib, "bos": d.bos,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
@@ -227,10 +267,14 @@ def run_all(args) -> None:
     for acts in args.activations:
         for start in ("RTN-6",) + PTQ_ROWS[args.model][acts]:
             key = f"ptq {start} | {acts}"
-            if res.get(key) is None and (not args.only or start in PIPELINE_STARTS[acts] or start == "RTN-6"):
-                qm, sec, _ = _quantized(lm, start, acts, spec, d)
+            if res.get(key) is None and (not args.only or start in PIPELINE_STARTS[acts] or start == "RTN-6"
+                                         or start in args.only):
+                used = any(st == start and (not args.only or name in args.only)
+                           for name, st, _, _ in _runs(args.model, acts))
+                qm, sec, _ = _quantized(lm, start, acts, spec, d, keep=used)
                 res.add({"key": key, "start": start, "activations": acts, "ppl": _ppl(qm, lm, spec, d),
                          "ptq_seconds": sec})
+                del qm
         for name, start, s, milestones in _runs(args.model, acts):
             if args.only and name not in args.only:
                 continue
