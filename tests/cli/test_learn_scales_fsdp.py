@@ -69,7 +69,7 @@ def test_fsdp_run_built_shard_by_shard_equals_the_single_process_run(tmp_path, m
                              capsys)
     assert code == 0, err
     proc = _torchrun(tmp_path, str(model_dir), "--out", str(tmp_path / "fsdp"), "--batch-size", "1", "--fsdp", *run)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + "\n=====\n" + proc.stderr[-6000:]
     assert "wrote compressed-tensors checkpoint" in proc.stdout and "loading it whole" not in proc.stdout
     single, sharded = _tensors(tmp_path / "single"), _tensors(tmp_path / "fsdp")
     assert sorted(single) == sorted(sharded)
@@ -99,7 +99,7 @@ def test_a_checkpoint_input_with_a_bf16_teacher_and_activation_checkpointing(tmp
     assert code == 0, err
     proc = _torchrun(tmp_path, str(tmp_path / "ckpt"), "--out", str(tmp_path / "fsdp"), "--batch-size", "1",
                      "--fsdp", *flags)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + "\n=====\n" + proc.stderr[-6000:]
     single, sharded = _tensors(tmp_path / "single"), _tensors(tmp_path / "fsdp")
     assert sorted(single) == sorted(sharded)
     for k, t in single.items():
