@@ -133,8 +133,9 @@ RUNS += [
 ]
 # lsq's recovery defaults exactly as ``learn-scales --steps 50`` runs them (lsq.RECOVERY_*, recovery_distill_config:
 # warm-up a tenth, held-out selection every fifth of the run on RECOVERY_HOLDOUT windows), on models nobody tuned on
-DEFAULTS = dict(PIPELINE, **lsq.RECOVERY_ENABLE, lr=lsq.RECOVERY_LR_SCALES, lr_weights=lsq.RECOVERY_LR_WEIGHTS,
-                warmup=5, holdout=lsq.RECOVERY_HOLDOUT, select_every=10)
+_CLI50 = lsq.recovery_distill_config(50)
+DEFAULTS = dict(PIPELINE, **lsq.RECOVERY_ENABLE, lr=_CLI50.lr_scales, lr_weights=_CLI50.lr_weights,
+                warmup=_CLI50.warmup_steps, holdout=lsq.RECOVERY_HOLDOUT, select_every=_CLI50.eval_every)
 UNTUNED = {"qwen2.5-coder-0.5b/w4a16", "qwen2.5-coder-0.5b/w4a4"}
 RUNS += [
     ("defaults (learn-scales --steps 50)", "RTN hessian", DEFAULTS, (50,), UNTUNED),
@@ -253,6 +254,9 @@ def run_all(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     spec = MODELS[args.model]
+    if "path" in spec and not Path(spec["path"]).is_file():
+        raise SystemExit(f"--model {args.model}: {spec['path']} is missing; fetch it first with "
+                         "python experiments/fetch_qwen_gguf.py --model 0.5b")
     lm = load_model(spec.get("path", args.model))
     d = default_texts(spec.get("path", args.model))
     res = Results(out)
