@@ -97,9 +97,6 @@ def barrier(info: DistInfo) -> None:
 
 
 def cleanup_distributed(info: DistInfo) -> None:
-    """Destroy the process group if setup_distributed created it, after a barrier: every rank's collectives
-    (FSDP2's prefetches included) finish before any rank tears the group down (without it a gloo rank that
-    finished first aborted at exit now and then: "terminate called without an active exception")."""
+    """Destroy the process group if setup_distributed created it."""
     if info.owns_group and dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
