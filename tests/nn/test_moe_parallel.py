@@ -192,3 +192,6 @@ def test_to_expert_parallel_and_bad_config():
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+    from blockscale.train.distributed import exit_process
+
+    exit_process(0)  # a rank ends without interpreter finalisation (see exit_process)

@@ -355,3 +355,6 @@ def test_quantize_command_under_torchrun_reports_an_error_once(tmp_path):
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+    from blockscale.train.distributed import exit_process
+
+    exit_process(0)  # a rank ends without interpreter finalisation (see exit_process)

@@ -127,6 +127,9 @@ def _worker(rank: int, port: int, out_dir: str, group: str):
             torch.save(out, base / "rank0.pt")
     finally:
         dist.destroy_process_group()
+    from blockscale.train.distributed import exit_process
+
+    exit_process(0)  # after success only: a rank ends without interpreter finalisation (see exit_process)
 
 
 def _train_runs(base, out):

@@ -160,6 +160,9 @@ def _worker(rank: int, port: int, base: str):
         torch.save(out, Path(base) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    from blockscale.train.distributed import exit_process
+
+    exit_process(0)  # after success only: a rank ends without interpreter finalisation (see exit_process)
 
 
 def _free_port() -> int:

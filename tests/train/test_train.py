@@ -403,3 +403,6 @@ def test_cli_under_torchrun(tmp_path):
 
 if __name__ == "__main__":
     _ddp_worker(sys.argv[1])
+    from blockscale.train.distributed import exit_process
+
+    exit_process(0)  # a rank ends without interpreter finalisation (see exit_process)

@@ -1,6 +1,4 @@
 """``python -m blockscale.cli``: the ``blockscale`` command (also under torchrun: ``-m blockscale.cli learn-scales``)."""
-import sys
+from .main import entry
 
-from .main import main
-
-sys.exit(main())
+entry()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from ..version import __version__
 from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS,
@@ -435,4 +436,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(lead + argv)
     prog = f"{PROG} {args.command}" + (f" {args.metric}" if args.command == "eval" else "")
     return run_reported(prog, lambda: _run(args), debug=getattr(args, "debug", False))
+
+
+def entry() -> NoReturn:
+    """The ``blockscale`` console script and ``python -m blockscale.cli``: ``main`` on ``sys.argv``, then the
+    process ends with its exit status (a torchrun rank without interpreter finalisation: ``exit_process``)."""
+    from ..train.distributed import exit_process
+
+    exit_process(main())
 
