@@ -138,10 +138,11 @@ DEFAULTS = dict(PIPELINE, **lsq.RECOVERY_ENABLE, lr=_CLI50.lr_scales, lr_weights
                 warmup=_CLI50.warmup_steps, holdout=lsq.RECOVERY_HOLDOUT, select_every=_CLI50.eval_every)
 UNTUNED = {"qwen2.5-coder-0.5b/w4a16", "qwen2.5-coder-0.5b/w4a4"}
 RUNS += [
-    ("defaults (learn-scales --steps 50)", "RTN hessian", DEFAULTS, (50,), UNTUNED),
+    ("defaults (learn-scales --steps 50)", "RTN hessian", DEFAULTS, (50,),
+     UNTUNED | {"smollm2-135m/w4a16", "stories260k/w4a16"}),
     ("defaults, scales only (--train scales)", "RTN hessian", dict(DEFAULTS, train="scales"), (50,), UNTUNED),
     ("defaults at a third of the lr (1e-3 / 1e-3)", "RTN hessian", dict(DEFAULTS, lr=1e-3, lr_weights=1e-3), (50,),
-     UNTUNED | {"smollm2-135m/w4a16"}),
+     UNTUNED | {"smollm2-135m/w4a16", "stories260k/w4a16"}),
     # the same from GPTQ (PTQ alone: 58% of the gap on Qwen2.5-0.5B, where the Hessian-aware start is below RTN)
     ("defaults at a third of the lr, from GPTQ", "GPTQ", dict(DEFAULTS, lr=1e-3, lr_weights=1e-3), (50,),
      {"qwen2.5-coder-0.5b/w4a16", "smollm2-135m/w4a16"}),

@@ -82,3 +82,22 @@ def test_recover_reports_enable_refusals_as_scale_setup_errors():
         lsq.recover(lm.model, lm.model, torch.zeros(1, 8, dtype=torch.long),
                     lsq.RecoveryConfig(lsq.DistillConfig(steps=1, seq_len=8)))
     assert isinstance(info.value, ValueError) and isinstance(info.value.__cause__, ValueError)
+
+
+def test_learning_from_gptq_moves_from_the_first_steps():
+    """GPTQ's latent weights are the column values it rounded, not its dequantized weights: a dequantized weight
+    sits at the centre of its rounding interval and a stored scale at the centre of its E4M3 one, so at the
+    recovery lr (1e-3 per step, a relative step) no code and no scale moved in 50 steps on SmolLM2-135M (the
+    held-out loss stayed 0.1849 to 4 digits and best-step selection returned the GPTQ model). From the rounded
+    values the held-out loss changes from the first step."""
+    lm = load_model("stories260k")
+    texts = default_texts("stories260k")
+    ptq = PTQConfig(method="gptq", activations="w4a16", skip_indivisible=True, n_samples=8, seq_len=128)
+    qs = lsq.quantize_student(lm.model, lm.tokenizer, ptq, texts.calib, texts.calib_bos, progress=False)
+    assert qs.dequantized == []  # every latent weight reproduces GPTQ's codes
+    tokens = calibration_batches(lm.tokenizer, texts.calib, 16, 64, seed=1, bos=texts.calib_bos)
+    dcfg = lsq.recovery_distill_config(3, lr_scales=1e-3, lr_weights=1e-3, seq_len=64, eval_every=1)
+    result = lsq.recover(qs.model, lm.model, tokens, lsq.RecoveryConfig(dcfg, holdout=8), weights=qs.weights,
+                         progress=False)
+    losses = [v for _, v in result.distill["eval_losses"]]
+    assert len(losses) == 4 and all(v != losses[0] for v in losses[1:]), losses

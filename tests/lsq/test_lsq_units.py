@@ -186,11 +186,15 @@ def test_steps_per_scale_step_in_log_units_is_the_same_on_every_model():
 
 
 @pytest.mark.parametrize("fields", [dict(method="awq", scale_rule="4over6"), dict(method="smoothquant"),
-                                    dict(method="awq", options=AWQOptions(clip=True, grid=4))])
+                                    dict(method="awq", options=AWQOptions(clip=True, grid=4)), dict(method="gptq"),
+                                    dict(method="gptq", options=GPTQOptions(four_over_six="aware"),
+                                         scale_rule="4over6"),
+                                    dict(method="gptq", options=GPTQOptions(act_order=True), scale_rule="sweep")])
 def test_latent_weights_from_ptq_keep_step0_exact(fields):
     """quantize_model(latent_weights=...) records the full-precision weights each Linear's codes are a rounding of
-    (AWQ / SmoothQuant: the smoothed weights; with AWQ's clipping the clipped ones), so scale learning re-rounds
-    real values, not the rounded ones, and step 0 is still the PTQ model bit for bit."""
+    (AWQ / SmoothQuant: the smoothed weights; with AWQ's clipping the clipped ones; GPTQ: the error-compensated
+    column values it rounded), so scale learning re-rounds real values, not the rounded ones, and step 0 is still
+    the PTQ model bit for bit."""
     teacher = tiny_hf_llama()
     student = copy.deepcopy(teacher)
     latent = {}
@@ -212,13 +216,13 @@ def test_latent_weights_from_ptq_keep_step0_exact(fields):
 def test_latent_weights_that_do_not_reproduce_the_codes_fall_back():
     teacher = tiny_hf_llama()
     student = copy.deepcopy(teacher)
-    latent = {}
     quantize_model(student, PTQConfig(method="gptq", options=GPTQOptions(four_over_six="aware"), scale_rule="4over6",
-                                      n_samples=8, seq_len=32, batch_size=4), token_ids(), progress=False,
-                   latent_weights=latent)
+                                      n_samples=8, seq_len=32, batch_size=4), token_ids(), progress=False)
+    latent = {n: m.weight.detach() for n, m in teacher.named_modules() if isinstance(m, torch.nn.Linear)
+              and n != "lm_head"}  # GPTQ's codes are not RTN of its input weight
     x = token_ids(2, 24, seed=5)
     before = logits(student, x)
-    weights, fallback = lsq.exact_latent_weights(student, latent)  # GPTQ's codes are not RTN of its input weight
+    weights, fallback = lsq.exact_latent_weights(student, latent)
     assert len(fallback) == 14
     for n in fallback:
         assert torch.equal(weights[n], student.get_submodule(n).dequantized_weight(torch.float32))

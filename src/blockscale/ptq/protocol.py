@@ -64,10 +64,8 @@ class LayerContext:
 class QuantizedWeight:
     """What ``quantize_weight`` returns: the quantized weight, and a note for the report (e.g. a fallback).
     latent: the FP32 weight whose rounding with ``q``'s scales gives ``q``'s codes when that is not the weight
-    ``quantize_weight`` was given (AWQ with clipping: the clipped weight); what
-    ``quantize_model(latent_weights=...)`` records for scale learning. GPTQ gives none: its codes are not a
-    rounding of its input weight, and scale learning from its dequantized weights did better on stories260K
-    than from its error-compensated column values (docs/lsq.md)."""
+    ``quantize_weight`` was given (AWQ with clipping: the clipped weight; GPTQ: the error-compensated column
+    values it rounded); what ``quantize_model(latent_weights=...)`` records for scale learning."""
 
     q: QuantizedTensor
     note: str = ""

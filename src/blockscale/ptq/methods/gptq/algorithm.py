@@ -252,7 +252,9 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: NVFP4, encode_sca
     ``q.dequantize()`` is the GPTQ result bit for bit; ``stats`` = {"loss": total GPTQ loss
     ``sum ((w - q)/d)^2``, "frac_scale4": fraction of blocks at their scale-to-4 candidate
     (4over6; 0 otherwise), "dead_columns": inputs with H_ii == 0 (their weights were zeroed),
-    "seconds": wall time}. See the module docstring for the exact semantics.
+    "seconds": wall time, "latent": the FP32 [N, K] values the loop rounded (each column after the error
+    feedback of the earlier ones): their rounding with ``q``'s scales is ``q``'s codes, so scale learning can
+    start from them (``QuantizedWeight.latent``)}. See the module docstring for the exact semantics.
     """
     t0 = time.perf_counter()
     _, P, scales, S, stats = _gptq(weight, H, spec, encode_scale, options)
@@ -264,6 +266,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: NVFP4, encode_sca
     q = QuantizedTensor(spec=spec, codes=pack_nibbles(codes.reshape(N, K)), scales=scales.to(torch.float8_e4m3fn),
                         shape=weight.shape, dtype=weight.dtype, outer_scale=S, amax=amax)
     stats["seconds"] = time.perf_counter() - t0
+    stats["latent"] = P
     return q, stats
 
 

@@ -196,7 +196,8 @@ def gptq_fixed_grid(weight: torch.Tensor, H: torch.Tensor, spec, shared_scale=No
         s_full = _fp8_columns(scales, spec, N, K)
         codes = encode_with_scale(P, s_full, spec.element).to(FP8_DTYPES[spec.element])
         q = QuantizedTensor(spec=spec, codes=codes, scales=scales, shape=weight.shape, dtype=weight.dtype)
-    stats = {"loss": float(E.double().square().sum()), "dead_columns": n_dead, "seconds": time.perf_counter() - t0}
+    stats = {"loss": float(E.double().square().sum()), "dead_columns": n_dead, "seconds": time.perf_counter() - t0,
+             "latent": P}  # the values rounded (their rounding is q's codes), as gptq_quantize's
     return q, stats
 
 

@@ -48,10 +48,10 @@ class GPTQ(PTQMethod):
             return QuantizedWeight(super().quantize_weight(weight, stats, spec, encode_scale).q,
                                    "no calibration tokens: RTN")
         if isinstance(spec, NVFP4):
-            q, _ = gptq_quantize(weight, H, spec, encode_scale, self.options)
+            q, stats = gptq_quantize(weight, H, spec, encode_scale, self.options)
         else:
-            q, _ = gptq_fixed_grid(weight, H, spec, encode_scale, self.options)
-        return QuantizedWeight(q)
+            q, stats = gptq_fixed_grid(weight, H, spec, encode_scale, self.options)
+        return QuantizedWeight(q, latent=stats["latent"])  # the values it rounded: scale learning's latent
 
 
 __all__ = ["GPTQ"]
