@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = """import os, sys
 from blockscale.cli.main import main
-sys.exit(main([a.replace("{RANK}", os.environ["RANK"]) for a in sys.argv[1:]]))
+from blockscale.train.distributed import exit_process
+exit_process(main([a.replace("{RANK}", os.environ["RANK"]) for a in sys.argv[1:]]))
 """
 
 
@@ -89,4 +90,19 @@ def test_rank_0_failing_alone_prints_its_line_and_rank_1_stops(tmp_path, calib):
     assert proc.returncode != 0
     lines = _error_lines(proc)
     assert len(lines) == 1 and "m0" in lines[0] and "error: rank" not in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_world_size_without_torchrun_is_one_usage_error(tmp_path):
+    """WORLD_SIZE set by hand (no torchrun, so no RANK / MASTER_ADDR / MASTER_PORT): one line naming what is
+    missing and how to launch, exit status 2, nothing written (torch's own error was an 'internal error')."""
+    env = {**os.environ, "WORLD_SIZE": "2", "PYTHONPATH": os.pathsep.join([str(REPO / "src"),
+                                                                           os.environ.get("PYTHONPATH", "")])}
+    for v in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(v, None)
+    proc = subprocess.run([sys.executable, "-m", "blockscale.cli", "quantize", "stories260k", "--out",
+                           str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not" in proc.stderr and "torchrun" in proc.stderr
     assert not (tmp_path / "out").exists()

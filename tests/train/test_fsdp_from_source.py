@@ -282,8 +282,9 @@ def _single_process_student(base: Path, cfg, calibration):
 def test_the_streamed_sharded_student_equals_the_single_process_one(runs):
     """RTN: every latent weight and amax of the sharded student (gathered) equals the single-process
     ``quantize_model`` + ``enable`` student bit for bit. GPTQ with data-parallel calibration (the Hessians
-    are summed over the ranks in another order: ~1e-7 relative, ``ptq.distributed``): the same layers take the
-    dequantized latent weight and the amaxes agree to 1e-5."""
+    are summed over the ranks in another order: ~1e-7 relative, ``ptq.distributed``): every layer takes GPTQ's
+    latent (the column values it rounded, gathered with the ranks' results) and the latent weights and amaxes
+    agree to 1e-5."""
     from blockscale.lsq import RecoveryConfig
     from blockscale.ptq import PTQConfig
 
@@ -298,7 +299,7 @@ def test_the_streamed_sharded_student_equals_the_single_process_one(runs):
     want, deq = _single_process_student(base, PTQConfig(method="gptq", n_samples=8, seq_len=32),
                                         token_ids(8, 32, vocab=96))
     got = ranks[0]["student_gptq"]
-    assert sorted(got["dequantized"]) == sorted(deq) and deq
+    assert got["dequantized"] == [] and deq == []  # GPTQ's latents (the values it rounded) reproduce its codes
     for n, t in got["state"].items():
         torch.testing.assert_close(t, want[n], rtol=1e-5, atol=1e-6, msg=n)
 

@@ -372,10 +372,11 @@ class CalibrationRanks:
 
     # ------------------------------------------------------------------ solves
     def solver(self, method, model, linears: dict, experts: dict, stats: Optional[dict], ex_stats: Optional[dict],
-               schemes: dict, outer_scale: str = "expert"):
+               schemes: dict, outer_scale: str = "expert", latent: bool = False):
         """``method``, or (distributed, and the method's ``quantize_weight`` reads statistics) a stand-in whose
         ``quantize_weight`` returns the results solved over ranks: weight j on rank ``j % world``, all
-        gathered. A weight whose solve raised is left out, so ``quantize_model`` solves it (and raises) on
+        gathered (with ``latent``, each result's ``QuantizedWeight.latent`` too: scale learning's latent weights,
+        e.g. GPTQ's). A weight whose solve raised is left out, so ``quantize_model`` solves it (and raises) on
         every rank itself."""
         if not self.enabled or not method.quantizes_with_statistics or (stats is None and ex_stats is None):
             return method
@@ -391,12 +392,14 @@ class CalibrationRanks:
                 res = method.quantize_weight(w, st, spec, S)
             except Exception:  # noqa: BLE001 -- solved again (and raised) on every rank by quantize_model
                 continue
-            mine[key] = (res.q.to("cpu"), res.note)
+            kept = res.latent.to("cpu") if latent and res.latent is not None else None
+            mine[key] = (res.q.to("cpu"), res.note, kept)
         results = {}
         for got in self._gather_objects(mine):
             results.update(got)
         devices = {key: w.device for key, w, *_ in jobs}
-        return SolvedMethod(method, {k: QuantizedWeight(q.to(devices[k]), note) for k, (q, note) in results.items()})
+        return SolvedMethod(method, {k: QuantizedWeight(q.to(devices[k]), note, None if lw is None else lw.to(devices[k]))
+                                     for k, (q, note, lw) in results.items()})
 
 
 def _jobs(model, linears, experts, stats, ex_stats, schemes, outer_scale) -> list[tuple]:

@@ -380,7 +380,7 @@ def quantize_layer(run: LayerPass, i: int, inputs, advance=run_layer):
                     layer, i, inputs, part, request, device, report.calibration_tokens,
                     config.calibrate_all_experts), None), device)[0]}
             solver = run.ranks.solver(method, model, part, experts if k == 0 else {}, stats, ex_stats if k == 0
-                                      else None, schemes, config.expert_outer_scale)
+                                      else None, schemes, config.expert_outer_scale, latent=run.latent is not None)
             _quantize_linears(model, part, stats, schemes, solver, report, alphas, fallback,
                               config.expert_outer_scale, run.latent)
         quantize_experts(model, experts, ex_stats, schemes, solver, report.experts, report.warnings, fallback,

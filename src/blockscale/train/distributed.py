@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import UsageError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -54,6 +56,11 @@ def setup_distributed(device: str = "cpu") -> DistInfo:
         torch.cuda.set_device(local)
     owns = False
     if not dist.is_initialized():
+        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:  # (torch's own error names one variable, as an internal error)
+            raise UsageError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                             " not: launch the job with torchrun (torchrun --nproc_per_node N -m blockscale.cli ...),"
+                             " or unset WORLD_SIZE for one process")
         dist.init_process_group(backend="nccl" if cuda else "gloo")
         owns = True
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local, owns_group=owns)
