@@ -58,8 +58,7 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
                                                 ("blockscale.train", ["--data", "no/such/file"], 2)])
 def test_the_command_line_entry_points_end_through_exit_process(module, args, code, world):
     """``python -m blockscale.cli`` and ``python -m blockscale.train`` end with the command's exit status; as
-    a rank of a job without finalisation (no atexit handler runs), alone normally. The ``blockscale`` script
-    is ``cli.main.entry``, what ``python -m blockscale.cli`` runs."""
+    a rank of a job without finalisation (no atexit handler runs), alone normally."""
     env = {**os.environ, "WORLD_SIZE": world, "PYTHONPATH": os.pathsep.join([str(REPO / "src"),
                                                                              os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", ENTRY, module, *args], env=env, capture_output=True, text=True,
@@ -68,6 +67,9 @@ def test_the_command_line_entry_points_end_through_exit_process(module, args, co
     assert proc.stdout.endswith("finalised\n") == (world == "1"), proc.stdout[-300:]
     if code:
         assert proc.stderr.count("\n") == 1 and "error:" in proc.stderr, proc.stderr
+
+
+def test_the_console_script_is_the_entry_python_m_runs():
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
