@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -57,7 +59,15 @@ MODELS = {
     "qwen2.5-coder-0.5b": dict(path=str(Path.home() / ".cache/blockscale/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
                                eval="wikitext2", eval_tokens=16 * 1024, ctx=1024, calib_samples=32, calib_seq_len=512,
                                train_samples=512, train_seq_len=128, batch_size=4, skip_indivisible=False),
+    # a small MoE trained with our trainer (experiments/moe_ptq_results.py: 4 layers, 8 experts top-2, 3.4M
+    # parameters, tok512, the first 90% of the TinyStories head's tokens), saved as a transformers Mixtral;
+    # evaluated on the last 8% of that text (never trained on), calibrated and distilled on its training part
+    "moe-3m": dict(path=str(Path.home() / ".cache/blockscale/runs/moe-ptq/hf"), eval="tinystories#0.92:1",
+                   eval_tokens=64 * 256, ctx=256, calib_samples=32, calib_seq_len=256, train_samples=512,
+                   train_seq_len=256, batch_size=4, skip_indivisible=False, calib="tinystories#0:0.9",
+                   calib_bos=False, bos="none"),
 }
+TEXT_OVERRIDES = ("calib", "calib_bos", "bos")  # a spec's own texts, where default_texts does not know the model
 
 # PTQ starts: label -> PTQConfig fields (activations added per run)
 A46 = "RTN hessian, activations 4/6"
@@ -81,6 +91,7 @@ STARTS = {
 PTQ_ROWS = {"smollm2-135m": {"w4a16": ("RTN hessian", "GPTQ", "AWQ", AR50, "RTN hessian, 128 windows",
                                        AR50 + ", 128 windows"), "w4a4": ("RTN hessian", A46)},
             "qwen2.5-coder-0.5b": {"w4a16": ("RTN hessian", "GPTQ", "AWQ"), "w4a4": ("RTN hessian",)},
+            "moe-3m": {"w4a16": ("RTN hessian", "GPTQ", "AWQ", AR50), "w4a4": ("RTN hessian", "GPTQ")},
             "stories260k": {"w4a16": ("GPTQ+4/6 (aware)", "RTN hessian"),
                             "w4a4": ("GPTQ+4/6 (aware)", "RTN hessian", A46)}}
 # the pipeline's starts: W4A4 twice (activations scaled to 6, as engines do; Four Over Six on the activations)
@@ -146,6 +157,11 @@ RUNS += [
     # the same from GPTQ (PTQ alone: 58% of the gap on Qwen2.5-0.5B, where the Hessian-aware start is below RTN)
     ("defaults at a third of the lr, from GPTQ", "GPTQ", dict(DEFAULTS, lr=1e-3, lr_weights=1e-3), (50,),
      {"qwen2.5-coder-0.5b/w4a16", "smollm2-135m/w4a16"}),
+    # the defaults with their retry (DistillConfig.lr_retries: when the best step is the start, again from it at a
+    # third of the lrs); the rows above were measured before the retry existed (lr_retries 0)
+    ("defaults with the lr retry (learn-scales --steps 50)", "RTN hessian",
+     dict(DEFAULTS, lr_retries=_CLI50.lr_retries), (50,),
+     UNTUNED | {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "moe-3m/w4a4"}),
 ]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
@@ -214,6 +230,8 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
     lsq.enable(student, mode=s["mode"], init="stored", weights=weights, param=s["param"], dual_form=s["dual_form"],
                learn_input_scales=s.get("learn_input_scales", False), weight_units=s.get("weight_units", "raw"))
     tokens, held = lsq.split_holdout(tokens, s.get("holdout", 0))  # held-out windows choose the step
+    if s.get("lr_retries") and len(milestones) > 1:
+        raise SystemExit(f"run {key!r}: lr_retries needs one milestone (a retry restarts the schedule)")
     for m in milestones:
         cfg = lsq.DistillConfig(steps=m, lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]),
                                 seq_len=s.get("seq_len", spec["train_seq_len"]), lr_schedule=s["schedule"],
@@ -223,7 +241,7 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
                                 min_lr_ratio=0.0, seed=0, out_dir=str(out / "train" / _dirname(key)), log_every=10,
                                 keep_best=held is not None, eval_loss="distill" if held is not None else "next_token",
                                 eval_every=s.get("select_every", 0) if held is not None else 0,
-                                ckpt_every=0)
+                                ckpt_every=0, lr_retries=s.get("lr_retries", 0) if held is not None else 0)
         t = time.time()
         r = lsq.distill(student, lm.model, tokens, cfg, eval_tokens=held, resume=True, progress=False)
         train_s = time.time() - t
@@ -235,7 +253,8 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
                  "seconds_per_step": r["seconds_per_step"], "optimizer_state_bytes": r["optimizer_state_bytes"],
                  "trainable_params": r["trainable_params"], "final_loss": r["final_loss"],
                  "best_step": r["best_step"], "eval_losses": r["eval_losses"],
-                 "latent_dequantized": len(dequantized), "latent_total": len(weights)})
+                 "latent_dequantized": len(dequantized), "latent_total": len(weights),
+                 **({"attempts": r["attempts"]} if "attempts" in r else {})})
 
 
 def _runs(model: str, acts: str):
@@ -258,11 +277,13 @@ def run_all(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     spec = MODELS[args.model]
-    if "path" in spec and not Path(spec["path"]).is_file():
-        raise SystemExit(f"--model {args.model}: {spec['path']} is missing; fetch it first with "
-                         "python experiments/fetch_qwen_gguf.py --model 0.5b")
+    if "path" in spec and not Path(spec["path"]).exists():
+        how = ("python experiments/moe_ptq_results.py --out ~/.cache/blockscale/runs/moe-ptq --only RTN "
+               "--activations w4a16" if args.model == "moe-3m" else "python experiments/fetch_qwen_gguf.py --model 0.5b")
+        raise SystemExit(f"--model {args.model}: {spec['path']} is missing; make it first with {how}")
     lm = load_model(spec.get("path", args.model))
     d = default_texts(spec.get("path", args.model))
+    d = dataclasses.replace(d, **{k: spec[k] for k in TEXT_OVERRIDES if k in spec})
     res = Results(out)
     meta = {"model": args.model, **{k: v for k, v in spec.items()}, "calib": d.calib, "bos": d.bos,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
@@ -300,7 +321,11 @@ def _label(s: dict) -> str:
     return f"{what}: {mode}, {s['param']}, {s['schedule']}"
 
 
-def _lrs(s: dict) -> str:
+def _lrs(s: dict, r: Optional[dict] = None) -> str:
+    """The run's learning rates; with retries, each attempt's ("3e-3 / 3e-3, then 1e-3 / 1e-3")."""
+    if r is not None and len(r.get("attempts") or ()) > 1:
+        return ", then ".join(f"{a['lr_scales']:.0e}" + (f" / {a['lr_weights']:.0e}" if a["lr_weights"] else "")
+                              for a in r["attempts"])
     return f"{s['lr']:g}" + (f" / {s['lr_weights']:g}" if s.get("train") == "all" else "")
 
 
@@ -381,7 +406,9 @@ def report(dirs, notes=None, title="Recovering the 4-bit loss: PTQ, then learned
                     s = r["settings"]
                     name = f"{_label(s)} (the pipeline's, lr sweep)" if r["run"].startswith("lr ") else r["run"]
                     kept = "last" if r.get("best_step") is None else r["best_step"]
-                    lines.append(f"| {name} | {r['start']} | {_lrs(s)} | {r['ppl']:.4f} | "
+                    if len(r.get("attempts") or ()) > 1:
+                        kept = f"{kept} of retry {len(r['attempts']) - 1}"
+                    lines.append(f"| {name} | {r['start']} | {_lrs(s, r)} | {r['ppl']:.4f} | "
                                  f"{_closed(r['ppl'], rtn, fp):.0f}% | {kept} | {r['seconds_per_step']:.2f} | "
                                  f"{r['trainable_params']:,} | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
                 lines.append("")

@@ -57,14 +57,18 @@ def _tensors(d: Path) -> dict:
 SELECTING = ["--n-samples", "24", "--holdout", "4", "--select-every", "1"]  # (later flags win)
 
 
-@pytest.mark.parametrize("selection", [False, True], ids=["last-step", "held-out-best-step"])
+RETRYING = SELECTING + ["--lr-scales", "3", "--lr-weights", "3"]  # (never beats the start: a retry at lr 1 / 1)
+
+
+@pytest.mark.parametrize("selection", [False, True, "retry"], ids=["last-step", "held-out-best-step", "lr-retry"])
 def test_fsdp_run_built_shard_by_shard_equals_the_single_process_run(tmp_path, model_dir, capsys, selection):
     """Hessian-aware RTN initialisation, scales and latent weights trained for 3 steps: the checkpoint
     exported by 2 FSDP2 ranks (student streamed and sharded layer by layer, teacher read row by row; 1 window
     per rank) is the single-process one (2 windows per step) byte for byte, and the losses agree. With
     best-step selection on 4 held-out windows (2 per rank) both pick the same step (each rank restores its
-    shards of it)."""
-    run = RUN + (SELECTING if selection else [])
+    shards of it). With learning rates too large to beat the start, both retry at a third of them (the sharded
+    student put back to its start shard by shard) and agree again."""
+    run = RUN + (RETRYING if selection == "retry" else SELECTING if selection else [])
     code, out, err = run_cli(["learn-scales", model_dir, "--out", tmp_path / "single", "--batch-size", "2", *run],
                              capsys)
     assert code == 0, err
@@ -84,6 +88,10 @@ def test_fsdp_run_built_shard_by_shard_equals_the_single_process_run(tmp_path, m
         assert [v for _, v in b["eval_losses"]] == pytest.approx([v for _, v in a["eval_losses"]], rel=1e-5)
         assert a["best_step"] == b["best_step"] and a["best_step"] is not None
         assert sorted(p.name for p in (tmp_path / "fsdp.train").glob("best*.pt")) == ["best.rank0.pt", "best.rank1.pt"]
+        assert [(x["lr_scales"], x["best_step"]) for x in a["attempts"]] == [(x["lr_scales"], x["best_step"])
+                                                                           for x in b["attempts"]]
+        if selection == "retry":
+            assert [(x["lr_scales"], x["best_step"]) for x in b["attempts"]][0] == (3, 0) and len(b["attempts"]) == 2
 
 
 def test_a_checkpoint_input_with_a_bf16_teacher_and_activation_checkpointing(tmp_path, model_dir, capsys):

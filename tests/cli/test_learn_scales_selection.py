@@ -33,9 +33,10 @@ def test_a_run_that_only_gets_worse_exports_its_ptq_start(tmp_path, capsys):
     assert cli.main(["quantize", "stories260k", "--skip-indivisible", "--out", str(ptq)]) == 0
     out = tmp_path / "out"
     code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--train", "all", "--steps", "6",
-                             "--lr-scales", "3", "--lr-weights", "3", "--select-every", "1", "--out", out], capsys)
+                             "--lr-scales", "3", "--lr-weights", "3", "--select-every", "1", "--lr-retries", "0",
+                             "--out", out], capsys)
     assert code == 0, err
-    assert "kept step 0" in stdout + err
+    assert "kept step 0" in stdout + err and "did not beat the start" not in stdout + err
     report = json.loads((out / "lsq_report.json").read_text())
     assert report["distill"]["best_step"] == 0
     losses = dict(report["distill"]["eval_losses"])
@@ -44,6 +45,27 @@ def test_a_run_that_only_gets_worse_exports_its_ptq_start(tmp_path, capsys):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     state = torch.load(tmp_path / "out.train" / "latest.pt", map_location="cpu", weights_only=True)
     assert state["step"] == 6 and any(k.endswith("weight_relative") for k in state["trainable"])  # block units
+
+
+def test_by_default_a_run_that_never_beats_its_start_runs_again_at_a_third_of_the_lr(tmp_path, capsys):
+    """The same run with the default --lr-retries 1: the first attempt keeps step 0, so the start is put back and
+    the run repeated at lr 1 / 1 (files in out.train/retry-1); the report lists both attempts."""
+    out = tmp_path / "out"
+    code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--train", "all", "--steps", "6",
+                             "--lr-scales", "3", "--lr-weights", "3", "--select-every", "1", "--out", out], capsys)
+    assert code == 0, err
+    assert "learning did not beat the start" in stdout and "--lr-scales 1, --lr-weights 1; retry 1 of 1" in stdout
+    attempts = json.loads((out / "lsq_report.json").read_text())["distill"]["attempts"]
+    assert [(a["lr_scales"], a["lr_weights"]) for a in attempts] == [(3, 3), (1, 1)]
+    assert attempts[0]["best_step"] == 0 and (tmp_path / "out.train" / "retry-1" / "latest.pt").exists()
+
+
+def test_lr_retries_need_held_out_windows(tmp_path, capsys):
+    for flags, why in ((["--holdout", "0"], "--holdout 0)"), (["--n-samples", "8"], "by default for --n-samples 8")):
+        code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--lr-retries", "2", *flags,
+                                 "--out", tmp_path / "o"], capsys)
+        assert code == 2 and "--lr-retries 2: a retry needs held-out windows" in err and why in err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
 def test_holdout_0_exports_the_last_step(tmp_path, capsys):

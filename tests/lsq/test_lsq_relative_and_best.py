@@ -16,23 +16,15 @@ from blockscale.ptq import PTQConfig, quantize_model
 from blockscale.train import LoopConfig
 
 transformers = pytest.importorskip("transformers")
-from tiny_models import tiny_hf_llama, token_ids  # noqa: E402
+from tiny_models import llama_and_its_4over6_ptq, logits, tiny_hf_llama, token_ids  # noqa: E402
 from tiny_moe import tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def logits(model, x):
-    with torch.no_grad():
-        return model(x).logits
-
-
 @pytest.fixture(scope="module")
 def pair():
-    teacher = tiny_hf_llama()
-    ptq = copy.deepcopy(teacher)
-    quantize_model(ptq, PTQConfig(scale_rule="4over6"), progress=False)
-    return teacher, ptq
+    return llama_and_its_4over6_ptq()
 
 
 # ----------------------------------------------------------------------------- block units

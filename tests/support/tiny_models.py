@@ -14,6 +14,24 @@ def tiny_hf_llama(seed: int = 0):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def logits(model, x: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits on token ids ``x``, without autograd."""
+    with torch.no_grad():
+        return model(x).logits
+
+
+def llama_and_its_4over6_ptq():
+    """(``tiny_hf_llama()``, a copy quantized to NVFP4 by ``quantize_model`` with the 4/6 scale rule)."""
+    import copy
+
+    from blockscale.ptq import PTQConfig, quantize_model
+
+    teacher = tiny_hf_llama()
+    ptq = copy.deepcopy(teacher)
+    quantize_model(ptq, PTQConfig(scale_rule="4over6"), progress=False)
+    return teacher, ptq
+
+
 def token_ids(n: int = 8, t: int = 32, seed: int = 0, vocab: int = 96) -> torch.Tensor:
     """[n, t] seeded random token ids."""
     return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))

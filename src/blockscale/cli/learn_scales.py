@@ -83,6 +83,10 @@ def _check_flags(args) -> str:
     if args.holdout is not None and args.holdout >= args.n_samples:
         raise UsageError(f"--holdout {args.holdout}: must be fewer than --n-samples {args.n_samples} (the held-out "
                          "windows choose the step; the others train)")
+    if args.lr_retries and holdout(args) == 0:
+        raise UsageError(f"--lr-retries {args.lr_retries}: a retry needs held-out windows that choose the step, and "
+                         f"there are none (--holdout {holdout(args)}{'' if args.holdout is not None else ' by default for --n-samples ' + str(args.n_samples)}); "
+                         "give --holdout N or drop --lr-retries")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.holdout and getattr(args, "fsdp", False) and args.holdout % world:
         raise UsageError(f"--holdout {args.holdout}: with --fsdp a multiple of the {world} processes")
@@ -143,7 +147,8 @@ def _distill_config(args, train_dir: Path):
                              lr_schedule=args.lr_schedule, warmup_steps=warmup if args.lr_schedule != "constant" else 0,
                              min_lr_ratio=args.min_lr_ratio, lr_pre_factor=lr_pre_factor,
                              freeze_pre_steps=args.freeze_pre_steps, ckpt_every=ckpt_every,
-                             eval_every=args.select_every or default_select_every(args.steps))
+                             eval_every=args.select_every or default_select_every(args.steps),
+                             lr_retries=args.lr_retries if args.lr_retries is not None else lsq.RECOVERY_LR_RETRIES)
 
 
 def lr_weights(args) -> float:
@@ -422,6 +427,9 @@ def add_learn_scales(sub) -> None:
     number(p, "--holdout", int, lo=0, hi=MAX_SAMPLES, default=None,
            help="training windows held out to choose the step: the student keeps the step (the start included) with "
                 "the lowest distillation loss on them (default: --n-samples / 32; 0: the last step)")
+    number(p, "--lr-retries", int, lo=0, hi=8, default=None,
+           help="when the step kept is the start (learning never beat it on the held-out windows), put the start back "
+                "and run again at a third of every learning rate, at most N times (default 1; 0: never)")
     number(p, "--select-every", int, lo=1, hi=MAX_STEPS, default=None,
            help="evaluate the held-out windows every N steps (default: --steps / 5)")
     number(p, "--temperature", float, lo=0.0, lo_open=True, default=1.0)

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..eval.next_token import model_device, next_token_loss, output_logits
 from ..train import CheckpointContents, DistInfo, LoopConfig, StepReport, derive_seed, run_training
-from ..train.distributed import all_reduce_mean, cleanup_distributed, join_distributed
+from ..train.distributed import all_reduce_mean, cleanup_distributed, env_world, join_distributed
 from ..train.fsdp import check_fsdp_options, is_sharded, require_distributed, shard_model, unshard_model
 from .quantizer import ignore_fsdp_view_warning
 from .enable import learner_modules, lsq_layers, scale_parameters, weight_parameters
@@ -48,6 +48,7 @@ DISTILL_PLOT_NAME = "losses.png"
 DISTILL_CKPT_FORMAT = "blockscale.lsq.distill/1"
 _BATCH_TAG = 11  # derive_seed part for the training batches
 _EVAL_TAG = 12
+LR_RETRY_FACTOR = 3.0  # a retry's learning rates: the previous attempt's / 3 (docs/results/recovery-models.md)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,11 @@ class DistillConfig:
     so learning never returns a student worse on that split than it started; ``train.best_step``).
     eval_loss: what an evaluation measures on ``eval_tokens``: "next_token" (the student's next-token cross
     entropy) or "distill" (the training objective, ``distill_loss`` against the teacher: what best-step
-    selection should minimise; ``recover`` with a holdout uses it)."""
+    selection should minimise; ``recover`` with a holdout uses it).
+    lr_retries: with ``keep_best``, when a run's best step is its start (learning never beat the start on the
+    held-out windows), put the start back and run again from it with every learning rate divided by
+    ``LR_RETRY_FACTOR`` (a fresh optimizer and schedule, the same batches; in ``out_dir/retry-K``), at most
+    this many times; 0: never (docs/lsq.md "When learning does not beat the start")."""
 
     train: str = "scales"
     steps: int = 100
@@ -100,13 +105,14 @@ class DistillConfig:
     ckpt_every: Optional[int] = None
     keep_best: bool = False
     eval_loss: str = "next_token"
+    lr_retries: int = 0
 
     def __post_init__(self):
         check_fsdp_options(self.fsdp, self.fsdp_param_dtype, "DistillConfig")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"DistillConfig.lr_schedule={self.lr_schedule!r}; allowed values: "
                              f"{', '.join(map(repr, LR_SCHEDULES))}")
-        for name in ("warmup_steps", "freeze_pre_steps"):
+        for name in ("warmup_steps", "freeze_pre_steps", "lr_retries"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DistillConfig.{name}={v!r}; allowed values: integers >= 0")
@@ -181,7 +187,7 @@ class DistillConfig:
 
 _SCHEDULE_FIELDS = tuple(f for f in dataclasses.fields(DistillConfig)
                          if f.name in ("lr_schedule", "warmup_steps", "min_lr_ratio", "schedule_steps", "lr_pre_factor",
-                                       "freeze_pre_steps", "keep_best", "eval_loss"))
+                                       "freeze_pre_steps", "keep_best", "eval_loss", "lr_retries"))
 
 
 # ----------------------------------------------------------------------------- loss
@@ -249,35 +255,6 @@ def eval_distill_loss(student: nn.Module, teacher: nn.Module, tokens: torch.Tens
         total += torch.tensor([float(loss) * x.shape[0], x.shape[0]], dtype=torch.float64)
     total = all_reduce_mean(total, info)
     return float(total[0] / total[1])
-
-
-def steps_per_scale_step(model: nn.Module, lr: float, max_samples: int = 1 << 20) -> tuple[float, float]:
-    """(median block amax, lr-limited steps to move it by one E4M3 step). Adam changes a parameter by about
-    ``lr`` per step whatever the gradient's size, and a stored E4M3 scale moves when its amax changes by
-    1/16 to 1/8 of itself (3 mantissa bits). With param="amax" (raw amaxes) that is about
-    ``median / (16 lr)`` steps (so the lr that suits a model scales with its weights' magnitude); with
-    param="log" (log of the amax relative to its initial value) it is ``ln(1 + 1/16) / lr`` on every model."""
-    learners = learner_modules(model)
-    if not learners:
-        raise ValueError("model has no LSQ amax parameters: run blockscale.lsq.enable(model, ...) first")
-    flat = torch.cat([_first_amax(m).detach().flatten() for m in learners])
-    if flat.numel() > max_samples:
-        flat = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:max_samples]]
-    med = float(flat.float().median())
-    if all(m.param == "log" for m in learners):
-        return med, math.log1p(0.0625) / lr
-    return med, 0.0625 * med / lr
-
-
-def _first_amax(learner: nn.Module) -> torch.Tensor:
-    """The learner's (pre) amaxes; sharded by FSDP (outside forward its parameters are this rank's rows):
-    the initial amaxes (param "log": a buffer, whole) or this rank's rows of the raw amaxes."""
-    from torch.distributed.tensor import DTensor
-
-    p = getattr(learner, learner.parameter_names()[0])
-    if isinstance(p, DTensor):
-        return learner.amax_init if learner.param == "log" else p.to_local()
-    return learner.amaxes()[0]
 
 
 # ----------------------------------------------------------------------------- the task on the one loop
@@ -402,6 +379,9 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
     {"steps", "final_loss", "first_loss", "trainable_params", "optimizer_state_bytes",
     "seconds_per_step", "metrics_path", "best_step", "best_eval_loss", "eval_losses"} (losses of the steps run
     by this call; None if none ran; best_*: with ``cfg.keep_best``, the step the student holds and its loss).
+    With ``cfg.lr_retries`` and ``cfg.keep_best``, a run whose best step is its start is run again from the
+    start at smaller learning rates (``retry_config``); the result then describes the last attempt and
+    "attempts" lists every attempt's learning rates, steps, best step, held-out losses and seconds per step.
     The loop is ``train.loop.run_training`` with a ``DistillTask``.
     """
     if not isinstance(cfg, DistillConfig):
@@ -418,6 +398,38 @@ def distill(student: nn.Module, teacher: nn.Module, tokens: torch.Tensor, cfg: D
     if cfg.keep_best and eval_tokens is None:
         raise ValueError("DistillConfig.keep_best needs eval_tokens (held-out windows of the training text that "
                          "choose the step)")
+    attempts = []
+    attempt = cfg
+    while True:
+        summary = _attempt(student, teacher, tokens, attempt, eval_tokens, resume, progress, record, force)
+        attempts.append({"lr_scales": attempt.lr_scales, "lr_weights": attempt.lr_weights if cfg.train == "all" else None,
+                         "out_dir": attempt.out_dir, **{k: summary[k] for k in _ATTEMPT_KEYS}})
+        k = len(attempts)
+        if not cfg.keep_best or summary["best_step"] != 0 or k > cfg.lr_retries:
+            break
+        attempt = retry_config(cfg, k)
+        if env_world()[0] == 0:
+            lrs = f"--lr-scales {attempt.lr_scales:g}" + (f", --lr-weights {attempt.lr_weights:g}" if cfg.train == "all"
+                                                          else "")
+            print(f"learning did not beat the start on the held-out windows (best step 0, loss "
+                  f"{summary['best_eval_loss']:.4f}): the start put back, again at a {LR_RETRY_FACTOR:g}x smaller "
+                  f"learning rate ({lrs}; retry {k} of {cfg.lr_retries})", flush=True)
+    return {**summary, "attempts": attempts} if cfg.lr_retries else summary
+
+
+_ATTEMPT_KEYS = ("steps", "best_step", "best_eval_loss", "eval_losses", "seconds_per_step", "final_loss")
+
+
+def retry_config(cfg: DistillConfig, k: int) -> DistillConfig:
+    """The config of retry ``k`` (1-based) of ``cfg``: every learning rate divided by ``LR_RETRY_FACTOR ** k``,
+    its files in ``out_dir/retry-k``."""
+    f = LR_RETRY_FACTOR ** k
+    return dataclasses.replace(cfg, lr_scales=cfg.lr_scales / f, lr_weights=cfg.lr_weights / f,
+                               out_dir=None if cfg.out_dir is None else str(Path(cfg.out_dir) / f"retry-{k}"))
+
+
+def _attempt(student, teacher, tokens, cfg, eval_tokens, resume, progress, record, force) -> dict:
+    """One ``run_training`` of ``cfg`` (``distill`` without retries)."""
     loop = LoopConfig(steps=cfg.steps, grad_accum=cfg.grad_accum, grad_clip=cfg.max_grad_norm,
                       log_interval=cfg.log_every, eval=eval_tokens is not None and (cfg.eval_every > 0 or cfg.keep_best),
                       keep_best=cfg.keep_best,
@@ -469,4 +481,4 @@ def _distill_fsdp(student, teacher, task, loop, cfg, eval_tokens, resume, record
 
 
 __all__ = ["DISTILL_TRAIN", "EVAL_LOSSES", "eval_distill_loss", "DistillConfig", "DistillTask", "distill", "distill_loss", "eval_next_token_loss",
-           "load_distill_checkpoint", "steps_per_scale_step"]
+           "load_distill_checkpoint", "LR_RETRY_FACTOR"]

@@ -7,7 +7,10 @@ PTQ (best: Hessian-aware block scales, ``scale_rule="hessian"``), distill from t
   (``weight_units="block"``: the same share of a quantization step on every model), moving codes;
 - a cosine schedule with a tenth of the steps as linear warm-up;
 - the step chosen on ``RECOVERY_HOLDOUT`` held-out training windows (``RecoveryConfig.holdout``; the distillation
-  loss on them every fifth of the run, the PTQ start included: ``DistillConfig.keep_best``).
+  loss on them every fifth of the run, the PTQ start included: ``DistillConfig.keep_best``);
+- when that step is the start (learning never beat the PTQ model there), one retry from the start at a third of
+  both learning rates (``DistillConfig.lr_retries``: ``RECOVERY_LR_RETRIES``; Qwen2.5-0.5B, where lr 3e-3 never
+  beats the start and 1e-3 closes 58% of the gap: docs/results/recovery-models.md).
 
 Measured (50 steps, 4 x 128 tokens each): SmolLM2-135M W4A16 and W4A4 and stories260K, in
 docs/results/recovery.md. ``blockscale learn-scales --train all`` and ``blockscale demo`` use these values.
@@ -24,6 +27,7 @@ from .distill import DistillConfig
 RECOVERY_LR_SCALES = 3e-3  # log units: the same relative step on every model
 RECOVERY_LR_WEIGHTS = 3e-3  # block units (5e-5 in raw units before issue 32)
 RECOVERY_ENABLE = {"mode": "dual", "param": "log", "dual_form": "pair", "weight_units": "block"}
+RECOVERY_LR_RETRIES = 1  # runs again at a third of the lrs when the best step is the start
 RECOVERY_HOLDOUT = 16  # windows of the training text held out to choose the step (2,048 tokens of 128-token windows)
 
 
@@ -35,9 +39,9 @@ def recovery_distill_config(steps: int, **overrides) -> DistillConfig:
         raise ValueError(f"steps={steps!r}; allowed values: integers >= 1")
     fields = dict(steps=steps, train="all", lr_scales=RECOVERY_LR_SCALES, lr_weights=RECOVERY_LR_WEIGHTS,
                   lr_pre_factor=0.0, lr_schedule="cosine", warmup_steps=steps // 10, min_lr_ratio=0.0, batch_size=4,
-                  seq_len=128, eval_every=max(1, steps // 5))
+                  seq_len=128, eval_every=max(1, steps // 5), lr_retries=RECOVERY_LR_RETRIES)
     fields.update(overrides)
     return DistillConfig(**fields)
 
 
-__all__ = ["RECOVERY_HOLDOUT", "RECOVERY_ENABLE", "RECOVERY_LR_SCALES", "RECOVERY_LR_WEIGHTS", "recovery_distill_config"]
+__all__ = ["RECOVERY_HOLDOUT", "RECOVERY_LR_RETRIES", "RECOVERY_ENABLE", "RECOVERY_LR_SCALES", "RECOVERY_LR_WEIGHTS", "recovery_distill_config"]
