@@ -84,9 +84,9 @@ def _check_flags(args) -> str:
         raise UsageError(f"--holdout {args.holdout}: must be fewer than --n-samples {args.n_samples} (the held-out "
                          "windows choose the step; the others train)")
     if args.lr_retries and holdout(args) == 0:
+        why = "--holdout 0" if args.holdout is not None else f"--holdout 0 by default for --n-samples {args.n_samples}"
         raise UsageError(f"--lr-retries {args.lr_retries}: a retry needs held-out windows that choose the step, and "
-                         f"there are none (--holdout {holdout(args)}{'' if args.holdout is not None else ' by default for --n-samples ' + str(args.n_samples)}); "
-                         "give --holdout N or drop --lr-retries")
+                         f"there are none ({why}); give --holdout N or drop --lr-retries")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.holdout and getattr(args, "fsdp", False) and args.holdout % world:
         raise UsageError(f"--holdout {args.holdout}: with --fsdp a multiple of the {world} processes")
