@@ -80,6 +80,7 @@ STARTS = {
     A46: dict(method="rtn", scale_rule="hessian", act_scale_rule="4over6"),
     "GPTQ": dict(method="gptq"),
     "AWQ": dict(method="awq", options=AWQOptions(clip=False)),
+    "AWQ, auto-clip": dict(method="awq", options=AWQOptions(clip=True)),  # AWQ's default since 2026-12-05
     # AutoRound from the Hessian-aware scales with a quarter of its default 200 iterations per decoder layer (200
     # take ~90 min on SmolLM2 on 2 cores: 0.9 s per iteration and layer)
     AR50: dict(method="autoround", scale_rule="hessian", options=AutoRoundOptions(iters=50)),
@@ -88,12 +89,13 @@ STARTS = {
     "RTN hessian, 128 windows": dict(method="rtn", scale_rule="hessian", n_samples=128),
 }
 # PTQ rows of the tables (the pipeline's starts and, for comparison, the best methods of docs/results/ptq.md)
-PTQ_ROWS = {"smollm2-135m": {"w4a16": ("RTN hessian", "GPTQ", "AWQ", AR50, "RTN hessian, 128 windows",
-                                       AR50 + ", 128 windows"), "w4a4": ("RTN hessian", A46)},
-            "qwen2.5-coder-0.5b": {"w4a16": ("RTN hessian", "GPTQ", "AWQ"), "w4a4": ("RTN hessian",)},
-            "moe-3m": {"w4a16": ("RTN hessian", "GPTQ", "AWQ", AR50), "w4a4": ("RTN hessian", "GPTQ")},
-            "stories260k": {"w4a16": ("GPTQ+4/6 (aware)", "RTN hessian"),
-                            "w4a4": ("GPTQ+4/6 (aware)", "RTN hessian", A46)}}
+PTQ_ROWS = {"smollm2-135m": {"w4a16": ("RTN hessian", "GPTQ", "AWQ", "AWQ, auto-clip", AR50, "RTN hessian, 128 windows",
+                                       AR50 + ", 128 windows"), "w4a4": ("RTN hessian", A46, "GPTQ", "AWQ", "AWQ, auto-clip")},
+            "qwen2.5-coder-0.5b": {"w4a16": ("RTN hessian", "GPTQ", "AWQ"), "w4a4": ("RTN hessian", "GPTQ")},
+            "moe-3m": {"w4a16": ("RTN hessian", "GPTQ", "AWQ", "AWQ, auto-clip", AR50),
+                       "w4a4": ("RTN hessian", "GPTQ", "AWQ", "AWQ, auto-clip", AR50, A46)},
+            "stories260k": {"w4a16": ("GPTQ+4/6 (aware)", "RTN hessian", "GPTQ", "AWQ", "AWQ, auto-clip", AR50),
+                            "w4a4": ("GPTQ+4/6 (aware)", "RTN hessian", A46, "GPTQ", "AWQ", "AWQ, auto-clip", AR50)}}
 # the pipeline's starts: W4A4 twice (activations scaled to 6, as engines do; Four Over Six on the activations)
 PIPELINE_STARTS = {"w4a16": ("RTN hessian",), "w4a4": ("RTN hessian", A46)}
 
@@ -145,9 +147,18 @@ RUNS += [
 # lsq's recovery defaults exactly as ``learn-scales --steps 50`` runs them (lsq.RECOVERY_*, recovery_distill_config:
 # warm-up a tenth, held-out selection every fifth of the run on RECOVERY_HOLDOUT windows), on models nobody tuned on
 _CLI50 = lsq.recovery_distill_config(50)
-DEFAULTS = dict(PIPELINE, **lsq.RECOVERY_ENABLE, lr=_CLI50.lr_scales, lr_weights=_CLI50.lr_weights,
-                warmup=_CLI50.warmup_steps, holdout=lsq.RECOVERY_HOLDOUT, select_every=_CLI50.eval_every)
+
+
+def _cli_defaults(steps: int, retry: bool = False) -> dict:
+    """The settings ``learn-scales --steps STEPS`` runs (with its lr retry when ``retry``)."""
+    c = lsq.recovery_distill_config(steps)
+    return dict(PIPELINE, **lsq.RECOVERY_ENABLE, lr=c.lr_scales, lr_weights=c.lr_weights, warmup=c.warmup_steps,
+                holdout=lsq.RECOVERY_HOLDOUT, select_every=c.eval_every, **({"lr_retries": c.lr_retries} if retry else {}))
+
+
+DEFAULTS = _cli_defaults(50)
 UNTUNED = {"qwen2.5-coder-0.5b/w4a16", "qwen2.5-coder-0.5b/w4a4"}
+EVERY = {f"{m}/{a}" for m in ("smollm2-135m", "stories260k", "qwen2.5-coder-0.5b", "moe-3m") for a in ("w4a16", "w4a4")}
 RUNS += [
     ("defaults (learn-scales --steps 50)", "RTN hessian", DEFAULTS, (50,),
      UNTUNED | {"smollm2-135m/w4a16", "stories260k/w4a16"}),
@@ -161,7 +172,17 @@ RUNS += [
     # third of the lrs); the rows above were measured before the retry existed (lr_retries 0)
     ("defaults with the lr retry (learn-scales --steps 50)", "RTN hessian",
      dict(DEFAULTS, lr_retries=_CLI50.lr_retries), (50,),
-     UNTUNED | {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "moe-3m/w4a4"}),
+     UNTUNED | {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "moe-3m/w4a4"}
+     | {"smollm2-135m/w4a4", "stories260k/w4a4"}),
+    # scale-only learning and longer runs with the same defaults, each its own schedule (learn-scales --steps N)
+    ("defaults with the lr retry, scales only (learn-scales --train scales --steps 50)", "RTN hessian",
+     dict(_cli_defaults(50, retry=True), train="scales"), (50,), EVERY),
+    ("defaults with the lr retry (learn-scales --steps 100)", "RTN hessian", _cli_defaults(100, retry=True), (100,),
+     EVERY),
+    ("defaults with the lr retry (learn-scales --steps 200)", "RTN hessian", _cli_defaults(200, retry=True), (200,),
+     EVERY),
+    ("defaults with the lr retry, scales only (learn-scales --train scales --steps 200)", "RTN hessian",
+     dict(_cli_defaults(200, retry=True), train="scales"), (200,), EVERY),
 ]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
@@ -396,19 +417,19 @@ def report(dirs, notes=None, title="Recovering the 4-bit loss: PTQ, then learned
             rtn = rtn["ppl"]
             for start in PIPELINE_STARTS[acts]:
                 lines += _pipeline_table(res, model, acts, fp, rtn, start)
-            rows = [r for r in res.rows if r.get("activations") == acts and r.get("steps") == 50
+            rows = [r for r in res.rows if r.get("activations") == acts and r.get("steps") is not None
                     and r["run"] not in _TABLE_RUNS]
             if rows:
-                lines += [f"### {acts.upper()}: variants, 50 steps (each its own 50-step schedule)", "",
-                          "| variant | start | lr | ppl | gap closed | step kept | s/step | trainable | optimizer state |",
-                          "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                lines += [f"### {acts.upper()}: variants (each its own schedule of the steps shown)", "",
+                          "| variant | start | steps | lr | ppl | gap closed | step kept | s/step | trainable | "
+                          "optimizer state |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
                 for r in rows:
                     s = r["settings"]
                     name = f"{_label(s)} (the pipeline's, lr sweep)" if r["run"].startswith("lr ") else r["run"]
                     kept = "last" if r.get("best_step") is None else r["best_step"]
                     if len(r.get("attempts") or ()) > 1:
                         kept = f"{kept} of retry {len(r['attempts']) - 1}"
-                    lines.append(f"| {name} | {r['start']} | {_lrs(s, r)} | {r['ppl']:.4f} | "
+                    lines.append(f"| {name} | {r['start']} | {r['steps']} | {_lrs(s, r)} | {r['ppl']:.4f} | "
                                  f"{_closed(r['ppl'], rtn, fp):.0f}% | {kept} | {r['seconds_per_step']:.2f} | "
                                  f"{r['trainable_params']:,} | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
                 lines.append("")

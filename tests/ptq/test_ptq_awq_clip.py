@@ -1,6 +1,7 @@
 """AWQ auto-clip (AWQOptions.clip, ptq.methods.awq_clip): never increases a Linear's calibration output
 error over round to nearest with the same outer scale, clips an outlier whose input is small, keeps the
-fused group's shared outer scale, skips q / k, and is off by default (the old AWQ)."""
+fused group's shared outer scale, skips q / k, and is on by default except with a Hessian-aware scale rule or
+no NVFP4 weight (AWQOptions.clip=None, resolved by PTQConfig); clip=False is the old AWQ."""
 from __future__ import annotations
 
 import argparse
@@ -160,13 +161,43 @@ def test_w4a4_clip_scores_the_quantized_inputs_the_layer_sees(monkeypatch):
     assert n_clipped == 10
 
 
-def test_off_by_default_and_flags():
-    assert AWQOptions().clip is False
+def test_auto_by_default_and_flags():
+    assert AWQOptions().clip is None
     p = argparse.ArgumentParser()
     add_method_flags(p)
     o = method_options(p.parse_args(["--awq-clip", "--awq-clip-grid", "10", "--awq-clip-max-shrink", "0.3"]), "awq")
     assert (o.clip, o.clip_grid, o.clip_max_shrink, o.clip_qk) == (True, 10, 0.3, False)
     assert method_options(p.parse_args([]), "awq") == AWQOptions()
+    assert method_options(p.parse_args(["--no-awq-clip"]), "awq").clip is False
+    with pytest.raises(ValueError, match=r"AWQOptions.clip='yes': expected True or False or None \(auto\)"):
+        AWQOptions(clip="yes")
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), True), (dict(scale_rule="4over6", activations="w4a4"), True), (dict(scale_rule="sweep"), True),
+    (dict(scale_rule="hessian"), False), (dict(scale_rule="hessian-4over6"), False),
+    (dict(recipe="nvfp4-experts-fp8-attention"), True),  # NVFP4 experts / MLPs: clipped; FP8 attention: not
+    (dict(recipe="fp8"), False), (dict(recipe="mxfp4-w4a16"), False),  # no NVFP4 weight to clip
+])
+def test_auto_clip_resolves_from_the_recipe(kw, want):
+    cfg = PTQConfig(method="awq", **kw)
+    assert cfg.options.clip is want
+    assert cfg.make_method().clip is want  # (through HessianScales' attribute forwarding for the Hessian rules)
+    for explicit in (True, False):
+        if explicit and "hessian" in kw.get("scale_rule", ""):
+            continue  # refused (test_hessian_scales)
+        assert PTQConfig(method="awq", options=AWQOptions(clip=explicit), **kw).options.clip is explicit
+    assert AWQ().clip is True and AWQ(AWQOptions(clip=False)).clip is False  # a bare method: None is on
+
+
+def test_default_awq_is_awq_with_clip_on_bit_for_bit():
+    ids = token_ids(8, 32)
+    a, b = tiny_hf_llama(), tiny_hf_llama()
+    kw = dict(method="awq", scale_rule="4over6", n_samples=8, seq_len=32)
+    quantize_model(a, PTQConfig(**kw, options=AWQOptions(grid=5)), ids, progress=False)
+    quantize_model(b, PTQConfig(**kw, options=AWQOptions(grid=5, clip=True)), ids, progress=False)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_clip_off_is_the_old_awq_bit_for_bit():

@@ -26,9 +26,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_registry_and_options_in_the_config():
     assert list(METHODS) == ["rtn", "awq", "smoothquant", "gptq", "autoround"]
-    for name, opts in (("rtn", RTNOptions()), ("awq", AWQOptions()), ("smoothquant", SmoothQuantOptions()),
+    # None: the method's defaults (AWQ's auto-clip resolved: on for the default NVFP4 recipe)
+    for name, opts in (("rtn", RTNOptions()), ("awq", AWQOptions(clip=True)), ("smoothquant", SmoothQuantOptions()),
                        ("gptq", GPTQOptions())):
-        assert PTQConfig(method=name).options == opts  # None: the method's defaults
+        assert PTQConfig(method=name).options == opts
     cfg = PTQConfig(method="gptq", scale_rule="4over6", options=GPTQOptions(block_size=32, four_over_six="plain"))
     d = cfg.to_dict()
     assert d["method"] == "gptq" and d["options"] == dict(damp=0.01, block_size=32, act_order=False,

@@ -21,7 +21,7 @@ from .checks import number
 from .reporting import warn
 from ..errors import UsageError
 from ..ptq.methods import METHODS, get_method
-from ..ptq.options import OptionError, flag_suffix, option_fields
+from ..ptq.options import OptionError, flag_suffix, option_fields, option_kind
 
 INDIVISIBLE_NOTE = "is not a multiple of 16: kept in high precision"
 _INDIVISIBLE = re.compile(r"is not a multiple of (\d+): kept in high precision")  # 16 NVFP4, 32 MX schemes
@@ -51,8 +51,8 @@ def add_method_flags(parser) -> None:
             continue
         group = parser.add_argument_group(f"--method {cls.name} options")
         for f in fields:
-            m, kind, flag = f.metadata, type(f.default), _flag(cls, f)
-            if kind is bool:
+            m, kind, flag = f.metadata, option_kind(f), _flag(cls, f)
+            if kind is bool:  # default off: --flag; on or None (the method decides): --flag / --no-flag
                 action = "store_true" if f.default is False else argparse.BooleanOptionalAction
                 group.add_argument(flag, action=action, default=f.default, help=m["help"])
             elif kind is str:

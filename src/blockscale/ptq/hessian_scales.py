@@ -60,7 +60,7 @@ class HessianScales:
                              "chooses each group's block scales inside its error-feedback loop, weighted by its own "
                              f"Hessian); use scale_rule 'sweep' or '4over6' with {who}, or {others} with "
                              f"{scheme.scale_rule!r}")
-        if getattr(m.options, "clip", False):
+        if getattr(m, "clip", False):
             raise UsageError(f"{name}: scale_rule={scheme.scale_rule!r} cannot be combined with {m.name} clip (the "
                              "clip search rounds the clipped weights with its own rule); turn clip off or use another "
                              "scale rule")

@@ -25,12 +25,18 @@ class OptionError(UsageError):
 
 def option(default, help: str, *, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False,
            choices: Optional[tuple] = None, flag: Optional[str] = None):
-    """A dataclass field of a method's options: ``default`` (its type is the option's kind), ``help``
-    (one line for ``--help``), bounds ``lo`` / ``hi`` (``*_open``: strict) for numbers, ``choices`` for
-    strings, and ``flag``: the flag's name after the method's prefix (default: the field name with
-    ``-`` for ``_``; e.g. ``four_over_six`` -> ``"4over6"`` gives ``--gptq-4over6``)."""
+    """A dataclass field of a method's options: ``default`` (its type is the option's kind; ``None``: a
+    boolean that may also be left unset, "auto", for the method to decide), ``help`` (one line for
+    ``--help``), bounds ``lo`` / ``hi`` (``*_open``: strict) for numbers, ``choices`` for strings, and
+    ``flag``: the flag's name after the method's prefix (default: the field name with ``-`` for ``_``;
+    e.g. ``four_over_six`` -> ``"4over6"`` gives ``--gptq-4over6``)."""
     meta = dict(help=help, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices, flag=flag)
     return field(default=default, metadata=meta)
+
+
+def option_kind(f) -> type:
+    """The kind of an options field: the default's type; ``bool`` for an "auto" boolean (default None)."""
+    return bool if f.default is None else type(f.default)
 
 
 def _range(m: dict) -> str:
@@ -44,10 +50,13 @@ def _range(m: dict) -> str:
 
 def check_value(owner: str, f, value) -> None:
     """OptionError unless ``value`` fits field ``f`` of an options dataclass named ``owner``."""
-    m, kind = f.metadata, type(f.default)
+    m, kind = f.metadata, option_kind(f)
     if kind is bool:
+        if f.default is None and value is None:
+            return
         if not isinstance(value, bool):
-            raise OptionError(owner, f.name, value, "expected True or False")
+            raise OptionError(owner, f.name, value, "expected True or False"
+                              + (" or None (auto)" if f.default is None else ""))
         return
     if kind is str:
         if m["choices"] is not None and value not in m["choices"]:
@@ -81,4 +90,4 @@ def flag_suffix(f) -> str:
     return f.metadata["flag"] or f.name.replace("_", "-")
 
 
-__all__ = ["OptionError", "check_options", "check_value", "flag_suffix", "option", "option_fields"]
+__all__ = ["OptionError", "check_options", "check_value", "flag_suffix", "option", "option_fields", "option_kind"]

@@ -276,8 +276,9 @@ class AWQOptions:
     grid: int = option(20, "AWQ grid: alphas i / grid for i = 0 .. grid-1", lo=1, hi=1000)
     duo_scaling: bool = option(True, "AWQ scales x_mean^alpha / w_mean^(1-alpha) (else x_mean^alpha)")
     max_tokens: int = option(4096, "AWQ measures the error on at most this many calibration tokens", lo=1)
-    clip: bool = option(False, "AWQ auto-clip: after smoothing, clip each 16-block's weights to r * its amax, r "
-                        "searched against the NVFP4 output error (awq_clip)")
+    clip: Optional[bool] = option(None, "AWQ auto-clip: after smoothing, clip each 16-block's weights to r * its "
+                                  "amax, r searched against the NVFP4 output error (awq_clip); default: on unless a "
+                                  "scheme has a Hessian-aware scale rule or no weight is NVFP4")
     clip_grid: int = option(20, "AWQ auto-clip ratios 1 - i / clip-grid", lo=1, hi=1000)
     clip_max_shrink: float = option(0.5, "AWQ auto-clip: ratios down to 1 - clip-max-shrink (exclusive)", lo=0.0,
                                     hi=1.0, hi_open=True)
@@ -304,7 +305,9 @@ class AWQ(PTQMethod):
 
     def __init__(self, options=None):
         super().__init__(options)
-        if self.options.clip:
+        # the effective auto-clip (PTQConfig resolves None from its recipe; a bare AWQ() takes None as on)
+        self.clip = self.options.clip is not False
+        if self.clip:
             self.quantizes_with_statistics = True  # the clip search reads the smoothed layer's inputs
         self._clip_context = None  # (schemes, weight_spec, act_scale_rule, linear names) of the current layer
 
@@ -329,7 +332,7 @@ class AWQ(PTQMethod):
         return True, lambda x: fake_quantize(x, act, encode_scale=enc.to(x.device), check_finite=False)
 
     def quantize_weight(self, weight, stats, spec, encode_scale) -> QuantizedWeight:
-        if not self.options.clip or not clip_supported(spec):
+        if not self.clip or not clip_supported(spec):
             return super().quantize_weight(weight, stats, spec, encode_scale)
         clip, aq = self._clip_input_quantizer(stats)
         if not clip:
