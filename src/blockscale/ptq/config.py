@@ -2,7 +2,7 @@
 activations, what to exclude, calibration)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,7 +16,6 @@ from ..recipes.recipe import DEFAULT_EXCLUDE, check_patterns  # embeddings, the 
 from .fused_experts import OUTER_SCALE_MODES
 from .hessian_scales import HessianScales
 from .methods import METHODS, get_method
-from .methods.awq_clip import clip_supported
 from .protocol import PTQMethod
 
 WEIGHT_SCALE_RULES = ("6", "4over6", "sweep", "hessian", "hessian-4over6")
@@ -108,7 +107,7 @@ class PTQConfig:
             raise UsageError(f"options is a {type(self.options).__name__}, but method={self.method!r} takes "
                              f"{cls.Options.__name__} (pass options={cls.Options.__name__}(...), or leave options "
                              "out for its defaults)")
-        object.__setattr__(self, "options", self._resolved_auto_options())
+        object.__setattr__(self, "options", cls.resolve_options(self.options, self.ptq_recipe.schemes()))
         _choice("expert_outer_scale", self.expert_outer_scale, EXPERT_OUTER_SCALES)
         for name in ("skip_indivisible", "allow_partial", "calibrate_all_experts"):
             if not isinstance(getattr(self, name), bool):
@@ -135,17 +134,6 @@ class PTQConfig:
             raise UsageError(f"{', '.join(changed)} cannot be combined with recipe={self.recipe.name!r}: the recipe "
                              "sets each scheme's options and its ignore list (use recipe.with_nvfp4(scale_rule=..., "
                              "error=..., act_scale_rule=...) or recipe.replace(ignore=...))")
-
-    def _resolved_auto_options(self):
-        """The options with every "auto" (None) switch decided from the recipe, so the config says what runs:
-        AWQ's ``clip`` is on unless a scheme has a Hessian-aware scale rule (those rules choose the block scales
-        the clip search would) or no scheme's weights are NVFP4 with 1x16 blocks (the only ones it clips)."""
-        if getattr(self.options, "clip", False) is not None:
-            return self.options
-        schemes = self.ptq_recipe.schemes()
-        on = (not any(s.hessian_scales for s in schemes)
-              and any(clip_supported(s.weight_spec) for s in schemes))
-        return replace(self.options, clip=on)
 
     @property
     def ptq_recipe(self) -> PTQRecipe:

@@ -135,6 +135,12 @@ class PTQMethod:
             raise TypeError(f"{type(self).__name__} takes {self.Options.__name__}, got {type(options).__name__}")
         self.options = options
 
+    @classmethod
+    def resolve_options(cls, options, schemes) -> "object":
+        """``options`` with every "auto" (None) switch decided for the recipe's ``schemes`` (PTQConfig calls it,
+        so the config says what runs); the default: unchanged."""
+        return options
+
     def check_layer(self, layer: nn.Module, name: str) -> None:
         """Before calibrating: a QuantizationError naming ``name`` if this method cannot handle ``layer``."""
 

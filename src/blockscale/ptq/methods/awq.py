@@ -20,7 +20,7 @@ y, since the GLU weighs the 2I outputs unequally.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -302,6 +302,15 @@ class AWQ(PTQMethod):
     Options = AWQOptions
     flag_prefix = "awq"
     quantizes_fused_experts = True
+
+    @classmethod
+    def resolve_options(cls, options, schemes):
+        """Auto-clip (``clip=None``) on unless a scheme has a Hessian-aware scale rule (those rules choose the block
+        scales the clip search would) or no scheme's weights are NVFP4 with 1x16 blocks (the only ones it clips)."""
+        if options.clip is not None:
+            return options
+        on = not any(s.hessian_scales for s in schemes) and any(clip_supported(s.weight_spec) for s in schemes)
+        return replace(options, clip=on)
 
     def __init__(self, options=None):
         super().__init__(options)
