@@ -22,46 +22,12 @@ from blockscale.ptq.smoothing import (SMOOTHING_FAMILIES, GroupRule, SmoothingGr
                                       layer_smoothing_groups, smoothing_family)
 
 transformers = pytest.importorskip("transformers")
-from tiny_models import token_ids  # noqa: E402
+from tiny_models import tiny_family as tiny, token_ids  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3"]
 GEMMAS = ("gemma", "gemma2", "gemma3")
-
-
-def tiny(family: str, n_kv: int = 4, seed: int = 0):
-    """A 2-layer fp32 model of ``family`` (hidden 64, 4 heads of 16, ``n_kv`` KV heads, intermediate 128),
-    with non-trivial norms (gains 0.5 .. 1.5, four channels x8: outliers as in real models) and biases."""
-    T = transformers
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=n_kv, max_position_embeddings=64)
-    head = dict(head_dim=16)
-    cfg, M = {
-        "llama": (lambda: T.LlamaConfig(**common), T.LlamaForCausalLM),
-        "mistral": (lambda: T.MistralConfig(**common, **head), T.MistralForCausalLM),
-        "qwen2": (lambda: T.Qwen2Config(**common), T.Qwen2ForCausalLM),
-        "qwen3": (lambda: T.Qwen3Config(**common, **head), T.Qwen3ForCausalLM),
-        "gemma": (lambda: T.GemmaConfig(**common, **head), T.GemmaForCausalLM),
-        "gemma2": (lambda: T.Gemma2Config(**common, **head, sliding_window=16), T.Gemma2ForCausalLM),
-        "gemma3": (lambda: T.Gemma3TextConfig(**common, **head, sliding_window=16,
-                                              layer_types=["sliding_attention", "full_attention"]),
-                   T.Gemma3ForCausalLM),
-        "phi3": (lambda: T.Phi3Config(**common, pad_token_id=0, eos_token_id=1, bos_token_id=1), T.Phi3ForCausalLM),
-    }[family]
-    torch.manual_seed(seed)
-    model = M(cfg()).float().eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, m in model.named_modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                gain = 0.5 + torch.rand(m.weight.shape, generator=g)
-                gain[torch.randperm(gain.numel(), generator=g)[:4]] *= 8.0
-                m.weight.copy_(gain - 1.0 if type(m).__name__.startswith("Gemma") else gain)
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):  # Qwen2's q/k/v biases
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return model
 
 
 def _expected(family: str, gqa: bool) -> list[tuple]:

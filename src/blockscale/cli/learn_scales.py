@@ -22,6 +22,7 @@ from .learn_scales_teacher import (check_loaded_vocabulary, resolve_model_teache
                                    teacher_from_metadata)
 from .quantize import method_names, quantize_reported, skip_indivisible
 from .ranks import is_main_rank
+from .rotation_flags import ROTATE_METAVAR, check_learn_scales_rotation
 from ..errors import UsageError
 from .learn_scales_defaults import (DEFAULT_LR_PRE_FACTOR, DEFAULT_LR_SCALES, DEFAULT_LR_SCALES_LOG, DEFAULT_LR_WEIGHTS,
                                     DEFAULT_LR_WEIGHTS_BLOCK, DEFAULT_MODE, DEFAULT_PARAM, DEFAULT_SCHEDULE,
@@ -43,7 +44,7 @@ def _init_recipe(args, is_ckpt: bool):
     --w4a4 are usage errors there."""
     if is_ckpt:
         given = [f for f, v in (("--recipe", args.recipe), ("--scale-rule", args.scale_rule), ("--w4a4", args.w4a4),
-                                ("--method", args.method)) if v]
+                                ("--method", args.method), ("--rotate", args.rotate)) if v]
         if given:
             raise UsageError(f"{', '.join(given)}: the input {args.model} is a quantized checkpoint already; these "
                              "flags choose the PTQ initialisation of a model name")
@@ -67,6 +68,7 @@ def _check_schedule_flags(args) -> None:
     if args.learn_input_scales and not Path(args.model).is_dir() and not args.w4a4 and not args.recipe:
         raise UsageError("--learn-input-scales learns W4A4 activation scales: add --w4a4 (or a W4A4 --recipe / "
                          "checkpoint)")
+    check_learn_scales_rotation(args)
 
 
 def _check_flags(args) -> str:
@@ -105,7 +107,7 @@ def _ptq_config(args, recipe):
                                               activations="w4a4" if args.w4a4 else "w4a16")
     return PTQConfig(method=args.method or "rtn", recipe=recipe, **flat,
                      skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
-                     n_samples=args.n_samples, seq_len=args.seq_len)
+                     n_samples=args.n_samples, seq_len=args.seq_len, rotate=args.rotate or "none")
 
 
 def _quantized_student(args, teacher_name: str, own_teacher: bool, recipe, defaults, device: str):
@@ -446,6 +448,9 @@ def add_learn_scales(sub) -> None:
     p.add_argument("--recipe", help="RTN init with a PTQ recipe (model names only): a built-in name (blockscale "
                                     "recipes --ptq) or a YAML file; only its NVFP4 modules learn their scales")
     p.add_argument("--w4a4", action="store_true", help="PTQ init with NVFP4 activations (model names only)")
+    p.add_argument("--rotate", default=None, metavar=ROTATE_METAVAR,
+                   help="rotations before the PTQ init (model names only; as quantize --rotate; fixed while learning). "
+                        "A rotated checkpoint input keeps its rotations")
     p.add_argument("--learn-input-scales", action="store_true",
                    help="W4A4: learn each Linear's activation outer scale too (its clipping level; docs/lsq.md)")
     add_skip_indivisible(p)

@@ -24,6 +24,7 @@ from .quantize import (add_method_flags, method_names, method_options, no_tokeni
                        skip_indivisible)
 from .quantize_streaming import add_streaming_flags, check_streaming_flags, run_streaming
 from .ranks import is_main_rank, ranked
+from .rotation_flags import ROTATE_METAVAR, check_rotate
 from ..errors import UsageError
 from ..file_errors import write_text_atomic
 from ..quant.backend import BACKENDS
@@ -120,6 +121,7 @@ def _check_quantize(args):
         check_text(args.eval, "--eval")
     _check_max_shard_size(args.max_shard_size)
     _check_excludes(args.exclude)
+    check_rotate(args.rotate)
     args.streaming_note = check_streaming_flags(args)  # streams by default; the line when it cannot
     src = local_path(args.model)
     check_out(args.out, overwrite=args.overwrite, sources=[src])
@@ -138,7 +140,8 @@ def _quantize_config(args, recipe):
                      skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
                      allow_partial=args.allow_partial, calibrate_all_experts=args.calibrate_all_experts,
                      expert_outer_scale=args.expert_outer_scale, n_samples=args.n_samples, seq_len=args.seq_len,
-                     batch_size=args.batch_size, seed=args.seed, options=method_options(args, args.method))
+                     batch_size=args.batch_size, seed=args.seed, rotate=args.rotate,
+                     rotation_seed=args.rotation_seed, options=method_options(args, args.method))
 
 
 def _quantize_evaluation(args, defaults):
@@ -331,6 +334,12 @@ def _add_quantize(sub) -> None:
     q.add_argument("--expert-outer-scale", default="expert", choices=("expert", "tensor"),
                    help="NVFP4 outer weight scale of fused 3-D MoE experts: one per expert and projection (gate/up "
                         "of an expert share it) or one per projection shared by all experts of the module")
+    q.add_argument("--rotate", default="none", metavar=ROTATE_METAVAR,
+                   help="rotations applied before PTQ (docs/ptq.md \"Rotations\"): r4 (online Hadamard on down_proj "
+                        "inputs), r1r2 (fused residual-stream and per-head rotations), r1r2r4, quip / block:N (online "
+                        "Hadamard on every Linear's input, full or N-blocks), mr (blocks of the quantization group: "
+                        "MR-GPTQ with --method gptq); tokens join with '+' (r1r2+block:16). Default: none")
+    number(q, "--rotation-seed", int, lo=0, hi=MAX_SEED, default=0)
     q.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="model dtype (also of the unquantized tensors in the checkpoint)")
     q.add_argument("--device", default=None, help="device each layer is calibrated on (e.g. cuda); default: cpu")

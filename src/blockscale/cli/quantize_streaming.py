@@ -37,6 +37,8 @@ def why_not_streamed(args) -> Optional[str]:
 
     if args.eval:
         return "--eval measures perplexity on the whole model"
+    if getattr(args, "rotate", "none") not in (None, "none"):
+        return f"--rotate {args.rotate} rotates the whole model before PTQ"
     if env_world()[1] > 1:
         return "under torchrun the ranks calibrate data-parallel on the whole model"
     model = str(args.model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from ..nn.coverage import weight_coverage
+from ..nn.input_rotation import input_rotations
 from . import export_plan
 from .experts import ExpertsView, experts_view
 from .common import CONFIG_FILE, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype
@@ -226,9 +228,26 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         bs_meta["method"] = user_meta["method"]
     if user_meta:
         bs_meta["metadata"] = user_meta
+    rotations = input_rotations(model)
+    if rotations and fmt.transforms is None:
+        first = next(iter(rotations))
+        raise ValueError(f"{fmt.name} checkpoints cannot hold online rotations ({first} has an online input rotation, "
+                         f"transform group {rotations[first][0]!r}; {len(rotations)} module(s) in all): export "
+                         "compressed-tensors (transform_config), or rotate with fused rotations only (r1r2)")
+    if rotations:
+        bs_meta["online_rotations"] = sorted({g for g, _ in rotations.values()})
+        biased = [n for n in rotations if getattr(model.get_submodule(n), "bias", None) is not None]
+        if biased:
+            warnings.warn(f"{len(biased)} Linear(s) with a bias have an online input rotation ({biased[0]}, ...): "
+                          "blockscale.load and compressed-tensors apply it, but vLLM's transform loader refuses online "
+                          "transforms on biased Linears", UserWarning, stacklevel=2)
     qcfg = fmt.quantization_config(schemes, ignore, producer, bs_meta, plan.kv_granularity)
     side = fmt.side_files(schemes, ignore, producer, plan.kv_granularity)
     tensors = export_plan.tensors(plan, quantized, fmt, export_state(model, view))
+    if rotations:
+        keys, matrices = fmt.transforms(rotations, dtype)
+        qcfg.update(keys)
+        tensors.update(matrices)
     config_json = _config_json(model, fmt.serving_dtype or dtype, qcfg)
     report = {
         "producer": producer,
@@ -242,6 +261,7 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         "fused_groups": sibling_groups(list(quantized)),
         **({"kv_cache_scales": export_plan.kv_report(plan)} if plan.kv else {}),
         **({"fused_experts": view.report()} if view is not None else {}),
+        **({"online_rotations": {n: [g, r.describe()] for n, (g, r) in rotations.items()}} if rotations else {}),
         "tensors": len(tensors),
         "bits_per_quantized_weight": export_plan.bits_per_weight(quantized),
     }

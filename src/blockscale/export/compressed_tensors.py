@@ -10,13 +10,15 @@ engine reads it as NVFP4. KV cache: ``kv_cache_scheme`` and ``<attn>.k_scale`` /
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
 from . import ct_codecs  # noqa: F401  (registers the format's tensor codecs)
 from .ct_schemes import QUANT_METHOD, kv_export, kv_names, kv_shapes, parse, quantization_config
-from .registry import CheckpointFormat, KVScales, register
+from .ct_transforms import parse_transforms, transform_config
+from .registry import CheckpointFormat, KVScales, ParsedConfig, register
 
 NAME = ct_codecs.FORMAT_NAME
 PACK_FORMAT = ct_codecs.NVFP4_FORMAT
@@ -28,9 +30,20 @@ def detects(qcfg: Optional[dict], has_file) -> bool:
     return isinstance(method, str) and method.lower() == QUANT_METHOD
 
 
+def _parse(qcfg: Optional[dict], side) -> ParsedConfig:
+    """The schemes (``ct_schemes.parse``) and the online input transforms (``ct_transforms``)."""
+    parsed = parse(qcfg, side)
+    return replace(parsed, transforms=parse_transforms(qcfg))
+
+
+def _transforms(rotations: dict, dtype: torch.dtype) -> tuple[dict, dict]:
+    config, tensors = transform_config(rotations, dtype)
+    return {"transform_config": config}, tensors
+
+
 FORMAT = register(CheckpointFormat(
     name=NAME, quant_method=QUANT_METHOD, aliases=("compressed_tensors", PACK_FORMAT, "ct"),
-    quantization_config=quantization_config, detects=detects, parse=parse,
+    quantization_config=quantization_config, detects=detects, parse=_parse, transforms=_transforms,
     kv=KVScales(names=kv_names, export=kv_export, shapes=kv_shapes),
     serving_dtype=torch.bfloat16, detection=f"quant_method {QUANT_METHOD!r}"))
 

@@ -20,7 +20,9 @@ from ..quant import format_of
 from .experts import Family, expert_linear_names, family_of, hub_name, memory_name
 from .files import Shards
 from ..quant.schemes import scheme_row
+from . import schema
 from .codecs import codec_for
+from .ct_transforms import read_rotation, resolve
 from .module_schemes import ModuleRules, ModuleScheme
 from .registry import CheckpointFormat, ParsedConfig
 from .shared_scales import check_shared_scales, sibling_groups
@@ -66,6 +68,15 @@ class Plan:
     experts: dict = field(default_factory=dict)  # in-memory experts module name -> QExperts
     family: Optional[Family] = None  # with experts: the hub naming of every on-disk name
     high_experts: dict = field(default_factory=dict)  # in-memory name -> its per-expert high-precision Linears
+    rotations: dict = field(default_factory=dict)  # on-disk Linear name -> (TransformGroup, size, matrix key)
+
+    def rotation_of(self, shards: Shards, name: str):
+        """The validated online input rotation of Linear ``name`` (``ct_transforms.read_rotation``)."""
+        group, size, key = self.rotations[name]
+        try:
+            return read_rotation(group, size, shards.get(key), key)
+        except ValueError as e:
+            raise CheckpointError(f"{shards.path(key)}: {name}: {e}") from None
 
     def memory(self, name: str) -> str:
         """The in-memory name of an on-disk module / tensor name (not of per-expert Linears)."""
@@ -209,7 +220,19 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
     seen = {}
     for t in list(model.parameters()) + list(model.buffers()):
         seen[id(t)] = t.numel() * t.element_size()
-    return Plan(quantized, expected_q, plain, sum(seen.values()), kv, parsed.kv, experts, fam, high_experts)
+    return Plan(quantized, expected_q, plain, sum(seen.values()), kv, parsed.kv, experts, fam, high_experts,
+                _rotations(model, parsed, fam, present, config_path))
+
+
+def _rotations(model: nn.Module, parsed: ParsedConfig, fam, present: Optional[set], config_path: Path) -> dict:
+    """{on-disk Linear name: (TransformGroup, size, matrix key)} of the online input transforms."""
+    if not parsed.transforms:
+        return {}
+    linears = {hub_name(n, fam): m.in_features for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    try:
+        return resolve(parsed.transforms, linears, set(present or ()), "quantization_config.transform_config")
+    except schema.ConfigError as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
 
 
 def _list(names, k=8) -> str:
@@ -233,7 +256,8 @@ def _dtypes(dts) -> str:
 
 def check_plan(plan: Plan, shards: Shards, root: Path, fmt_name: str, explicit: bool) -> None:
     """Names, dtypes and shapes of every expected tensor against the headers."""
-    present, expected = set(shards.infos), set(plan.expected_q) | set(plan.plain) | set(plan.kv)
+    present = set(shards.infos)
+    expected = set(plan.expected_q) | set(plan.plain) | set(plan.kv) | {k for _, _, k in plan.rotations.values()}
     missing, unexpected = expected - present, present - expected
     if missing or unexpected:
         msg = [f"{root}: the tensors do not match the config ({fmt_name}, {_describe(plan)})"]
@@ -244,6 +268,8 @@ def check_plan(plan: Plan, shards: Shards, root: Path, fmt_name: str, explicit: 
         raise CheckpointError("; ".join(msg))
     for key in sorted(expected):
         t, f = shards.infos[key], shards.path(key)
+        if key not in plan.expected_q and key not in plan.kv and key not in plan.plain:
+            continue  # a rotation matrix: checked by check_values
         if key in plan.expected_q or key in plan.kv:
             dts, shapes = plan.expected_q[key][2:] if key in plan.expected_q else (KV_DTYPES, plan.kv[key][2])
             if t.dtype not in dts or t.shape not in set(shapes):
@@ -309,6 +335,8 @@ def check_values(plan: Plan, shards: Shards, fmt: CheckpointFormat, root: Path) 
         check_finite(key, shards.view(key), shards.path(key))
     _check_experts_shared(plan, shards, fmt, root)
     _check_siblings_shared(plan, shards, fmt, root)
+    for name in plan.rotations:
+        plan.rotation_of(shards, name)
 
 
 __all__ = ["Plan", "QLinear", "build_plan", "check_plan", "check_values"]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.fused import fused_groups
+from ..nn.input_rotation import carry_input_rotation
 from ..nn.nvfp4_experts import NVFP4Experts
 from ..nn.nvfp4_linear import NVFP4Linear
 from .experts import LSQExperts, NVFP4ExpertsScaleLearner, enable_experts, freeze_experts
@@ -150,7 +151,9 @@ def enable(model: nn.Module, mode: str = "tied", init: str = "stored",
         if weight_units == "block":
             learner.use_block_units(learner.block_scale())
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, LSQLinear(m, learner, input_params.get(name)))
+        new = LSQLinear(m, learner, input_params.get(name))
+        carry_input_rotation(m, new)  # a rotated PTQ start (--rotate): the online rotation stays fixed
+        setattr(model.get_submodule(parent) if parent else model, child, new)
     return [n for n, _ in targets] + enable_experts(model, mode, init, weights, grad_scale, train_weights, param,
                                                     dual_form, weight_units)
 
@@ -207,7 +210,10 @@ def freeze(model: nn.Module) -> list[str]:
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, getattr(owner, child).to_nvfp4_linear())
+        old = getattr(owner, child)
+        new = old.to_nvfp4_linear()
+        carry_input_rotation(old, new)
+        setattr(owner, child, new)
     return names + freeze_experts(model)
 
 

@@ -17,6 +17,7 @@ from .fused_experts import OUTER_SCALE_MODES
 from .hessian_scales import HessianScales
 from .methods import METHODS, get_method
 from .protocol import PTQMethod
+from .rotations.plan import RotationPlan, parse_rotate
 
 WEIGHT_SCALE_RULES = ("6", "4over6", "sweep", "hessian", "hessian-4over6")
 ACTIVATIONS = ("w4a16", "w4a4")
@@ -85,6 +86,8 @@ class PTQConfig:
     seq_len: int = 512
     batch_size: int = 8
     seed: int = 0
+    rotate: str = "none"
+    rotation_seed: int = 0
     # the method's own options (None: its defaults)
     options: Any = None
     extra: dict = field(default_factory=dict, compare=False)
@@ -109,6 +112,7 @@ class PTQConfig:
                              "out for its defaults)")
         object.__setattr__(self, "options", cls.resolve_options(self.options, self.ptq_recipe.schemes()))
         _choice("expert_outer_scale", self.expert_outer_scale, EXPERT_OUTER_SCALES)
+        object.__setattr__(self, "rotate", parse_rotate(self.rotate, self.rotation_seed).label)  # validates both
         for name in ("skip_indivisible", "allow_partial", "calibrate_all_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name}={getattr(self, name)!r}: expected True or False")
@@ -167,6 +171,11 @@ class PTQConfig:
         return method
 
     @property
+    def rotation_plan(self) -> RotationPlan:
+        """The rotations applied before PTQ (``rotations.parse_rotate(rotate, rotation_seed)``)."""
+        return parse_rotate(self.rotate, self.rotation_seed)
+
+    @property
     def needs_calibration(self) -> bool:
         return METHODS[self.method].calibrates or self.ptq_recipe.needs_calibration
 
@@ -184,14 +193,16 @@ class PTQConfig:
     def _experts_label(self) -> str:
         """The label's tail: ' experts:tensor' / ' calibrate-all-experts' when set, else ''."""
         return ((" experts:tensor" if self.expert_outer_scale == "tensor" else "")
-                + (" calibrate-all-experts" if self.calibrate_all_experts else ""))
+                + (" calibrate-all-experts" if self.calibrate_all_experts else "")
+                + (f" rotate:{self.rotate}" if self.rotate != "none" else ""))
 
     def to_dict(self) -> dict:
         """Every field; ``options`` as a dict of the method's options; ``recipe`` (only when given) as
         ``recipes.ptq_recipe_to_dict`` writes it; ``calibrate_all_experts`` / ``expert_outer_scale`` only
         when not at their defaults."""
         d = asdict(self)
-        for name, default in (("calibrate_all_experts", False), ("expert_outer_scale", "expert")):
+        for name, default in (("calibrate_all_experts", False), ("expert_outer_scale", "expert"), ("rotate", "none"),
+                              ("rotation_seed", 0)):
             if d[name] == default:
                 del d[name]
         d["exclude"] = list(self.exclude)

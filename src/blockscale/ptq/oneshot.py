@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ..export import export_checkpoint
+from ..errors import UsageError
 from ..export.common import jsonable
+from ..export.registry import format_named
 from ..train.distributed import env_world
 from .config import PTQConfig
 from .export_check import check_recipe_exportable
@@ -79,12 +81,20 @@ def oneshot(model, tokenizer, config: PTQConfig, calibration: str, out: Union[st
     ``config`` is a UsageError before anything runs."""
     opt = OneshotOptions(**options)
     check_recipe_exportable(config.ptq_recipe, format)
+    plan = config.rotation_plan
+    if (plan.r4 or plan.inputs is not None) and format_named(format).transforms is None:
+        raise UsageError(f"rotate={config.rotate!r} rotates Linear inputs online, which {format_named(format).name} "
+                         "checkpoints cannot hold: export compressed-tensors (transform_config), or use fused "
+                         "rotations only (rotate='r1r2')")
 
     def quantize() -> PTQReport:  # pipeline.calibrate_and_quantize looked up per call: tests replace it
         return pipeline.calibrate_and_quantize(model, tokenizer, config, calibration, opt.calib_bos,
                                                device=opt.device, progress=opt.progress)
 
     report = quantize() if opt.wrap_quantize is None else opt.wrap_quantize(quantize)
+    if opt.log is not None and env_world()[0] == 0:
+        for line in report.rotation:  # what --rotate did
+            opt.log(line)
     if env_world()[0] != 0:  # torchrun: rank 0 alone evaluates and writes
         return OneshotResult(report, main_rank=False)
     meta = {"model": opt.model_name, "ptq": report.to_dict()}

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..errors import QuantizationError, UsageError
 from ..nn.fused import fused_groups
+from ..nn.input_rotation import carry_input_rotation
 from ..quant import NVFP4
 from .capture import LayerInput, capture_first_layer_inputs, decoder_layers, run_layer
 from .config import PTQConfig
@@ -40,6 +41,7 @@ from .fused_experts import ExpertsReport, expert_scale_groups, experts_start, ob
 from .kv_calibration import calibrate_kv, check_kv_layers
 from .preflight import (check_calibration, check_coverage, check_experts_method, check_finite_parameters, check_layers,
                         check_method_schemes, plan_quantization)
+from .rotations import rotate_model
 from .protocol import LayerContext, PTQMethod, SolvedMethod, StartWeight
 from .scheme_plan import unused_rule_warnings
 from .scheme_modules import build_linear
@@ -86,6 +88,7 @@ class PTQReport:
     kv_cache: dict[str, dict] = field(default_factory=dict)
     experts: list[ExpertsReport] = field(default_factory=list)
     method_stats: list[dict] = field(default_factory=list)  # per layer, from methods that reconstruct layers
+    rotation: list[str] = field(default_factory=list)  # what ``--rotate`` did (``rotations.RotationReport.lines``)
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -105,6 +108,7 @@ def _legacy_nvfp4(recipe) -> tuple[NVFP4, Optional[str]]:
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
+    carry_input_rotation(getattr(parent, child), new)  # an online rotation (``--rotate``) stays on the module
     setattr(parent, child, new)
 
 
@@ -308,6 +312,12 @@ def start_pass(model: nn.Module, config: PTQConfig, calibration, device=None, *,
     per_layer, schemes, warned, per_layer_experts = ranks.synced(_preflight, *checks) if ranks.enabled else \
         _preflight(*checks)
     report.layers = len(layers)
+    plan = config.rotation_plan
+    if plan.any:  # after the checks (which read the unrotated model), before any statistics
+        if not check_finite:
+            raise UsageError(f"rotate={plan.label!r} needs the whole model in memory (R1 rotates the embeddings and "
+                             "lm_head): run without streaming (--no-streaming)")
+        report.rotation = rotate_model(model, plan, schemes).lines()
     return LayerPass(model, layers, prefix, config, method, method.statistics(), spec, act_rule, report, per_layer,
                      per_layer_experts, schemes, warned, home, device, ranks)
 

@@ -20,6 +20,7 @@ from ..finite import non_finite_error
 from ..statistics import InputStatistics
 from .fold import fold_smoothing
 from .groups import SmoothingGroup
+from ...nn.input_rotation import input_rotation
 from .families import layer_smoothing_groups
 from .moe import MoESmoothingGroup, fold_moe_smoothing, gpt_oss_expert_output
 from .slices import WeightSlice
@@ -141,6 +142,11 @@ def smooth_layer(layer, method: str, choose: Callable, choose_parts: Optional[Ca
     name for its experts) -> alpha. What stays unsmoothed in a supported layer (MLA's o_proj) is noted
     in ``layer.notes`` when the context has that list."""
     groups, notes = layer_smoothing_groups(layer.module)
+    rotated = [g for g in groups if not isinstance(g, MoESmoothingGroup)
+               and any(input_rotation(m) is not None for m in g.linears)]
+    if rotated:  # x Q then W Q: a per-channel scale folded before Q cannot be undone on W Q's columns
+        notes = list(notes) + [f"{g.name}: not smoothed (its Linears' inputs are rotated online)" for g in rotated]
+        groups = [g for g in groups if not any(g is r for r in rotated)]
     if notes and isinstance(getattr(layer, "notes", None), list):
         layer.notes.extend(notes)
     linear_names = {id(m): n for n, m in layer.linears.items()}
