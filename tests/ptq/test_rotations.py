@@ -166,3 +166,12 @@ def test_refusals():
     with pytest.raises(QuantizationError):
         rotate_model(bad, RotationPlan(inputs=256))  # 64 inputs: refused before any weight changed
     assert all(torch.equal(before[k], v) for k, v in bad.state_dict().items())
+
+
+def test_streaming_refuses_rotations(tmp_path):
+    from blockscale.ptq.streaming import quantize_streaming
+
+    tiny_hf_llama().save_pretrained(tmp_path / "hf")
+    with pytest.raises(UsageError, match="rotate='r4' needs the whole model in memory"):
+        quantize_streaming(tmp_path / "hf", tmp_path / "out", PTQConfig(rotate="r4"), progress=False)
+    assert not (tmp_path / "out").exists()
