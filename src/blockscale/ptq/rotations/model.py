@@ -33,6 +33,7 @@ from torch import nn
 
 from ...errors import QuantizationError
 from ...nn.input_rotation import attach_input_rotation, input_rotation
+from ...quant import MX, NVFP4
 from ...quant.transforms.rotation import Rotation, largest_power_of_two_divisor, rotation
 from ..capture import decoder_layers
 from ..smoothing import find_smoothing_groups, smoothing_family
@@ -178,9 +179,7 @@ def _input_blocks(plan: RotationPlan, infos: list[_Layer], schemes: Optional[dic
                 n = largest_power_of_two_divisor(lin.in_features)
             elif plan.inputs == "group":
                 spec = getattr((schemes or {}).get(name), "weight_spec", None)
-                n = getattr(type(spec), "block_size", None) if spec is not None else None
-                if type(spec).__name__ not in ("NVFP4", "MX"):
-                    n = None
+                n = spec.block_size if isinstance(spec, (NVFP4, MX)) else None  # 16 / 32; others: unrotated
             else:
                 n = plan.inputs
             out[id(lin)] = (name, n)
