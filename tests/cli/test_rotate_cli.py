@@ -42,10 +42,13 @@ def test_quantize_rotate_end_to_end(hf_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, line", [
     (["--rotate", "r5"], "blockscale quantize: error: --rotate: rotate='r5': unknown token 'r5'; allowed: none, r4, "
-                         "r1r2, r1r2r4, quip, block:N, mr (tokens may be joined with '+')"),
-    (["--rotate", "r4", "--format", "modelopt"], "blockscale quantize: error: rotate='r4' rotates Linear inputs online, "
-     "which modelopt checkpoints cannot hold: export compressed-tensors (transform_config), or use fused rotations "
-     "only (rotate='r1r2')"),
+                         "r1r2, r1r2r4, r3, r1r2r3r4, quip, block:N, mr (tokens may be joined with '+')"),
+    (["--rotate", "r4", "--format", "modelopt"], "blockscale quantize: error: rotate='r4' rotates Linear inputs or "
+     "keys online, which modelopt checkpoints cannot hold: export compressed-tensors (transform_config), or use fused "
+     "rotations only (rotate='r1r2')"),
+    (["--rotate", "r3", "--format", "modelopt"], "blockscale quantize: error: rotate='r3' rotates Linear inputs or "
+     "keys online, which modelopt checkpoints cannot hold: export compressed-tensors (transform_config), or use fused "
+     "rotations only (rotate='r1r2')"),
     (["--rotate", "r4", "--streaming"], "blockscale quantize: error: --streaming: --rotate r4 rotates the whole model "
                                         "before PTQ; leave out --streaming (or give --no-streaming) to load it whole"),
 ])
@@ -85,4 +88,4 @@ def test_learn_scales_keeps_rotations_fixed(tmp_path, capsys):
     assert set(input_rotations(bs.load(again))) == set(input_rotations(bs.load(ptq))) != set()
     code, _, err = run_cli(["learn-scales", ptq, "--teacher", "stories260k", *SMALL, "--steps", "2", "--format", "modelopt", "--out",
                             tmp_path / "mo"], capsys)
-    assert code == 2 and "rotates Linear inputs online (transform_config), which modelopt checkpoints cannot" in err
+    assert code == 2 and "rotates Linear inputs or keys online (transform_config), which modelopt checkpoints cannot" in err

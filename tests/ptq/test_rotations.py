@@ -2,7 +2,7 @@
 grammar, every fused rotation leaving the full-precision function unchanged (within FP32 rounding) on each dense
 family, online rotations equal to their explicit products, MR-GPTQ with the identity rotation equal to today's
 GPTQ bit for bit, every method and scale rule running rotated, AWQ skipping the groups whose inputs are rotated,
-and the refusals (Gemma 2 / 3 R1, MoE layers, streaming)."""
+and the refusals (Gemma 2 / 3 R1, MLA layers, streaming)."""
 from __future__ import annotations
 
 import copy
@@ -49,7 +49,7 @@ def test_parse_rotate(text, want):
 def test_parse_rotate_errors(text, match):
     with pytest.raises(UsageError, match=match):
         parse_rotate(text)
-    assert ROTATE_CHOICES == ("none", "r4", "r1r2", "r1r2r4", "quip", "block:N", "mr")
+    assert ROTATE_CHOICES == ("none", "r4", "r1r2", "r1r2r4", "r3", "r1r2r3r4", "quip", "block:N", "mr")
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"])
@@ -153,10 +153,10 @@ def test_refusals():
     with pytest.raises(QuantizationError, match="sandwich norms"):
         rotate_model(tiny_family("gemma2"), RotationPlan(r1=True))
     rotate_model(tiny_family("gemma2"), RotationPlan(r4=True))  # online rotations are fine there
-    from tiny_moe import tiny_moe
+    from tiny_moe import tiny_deepseek  # MoE layers rotate (test_rotations_moe.py); MLA is refused
 
-    with pytest.raises(QuantizationError, match="MoE"):
-        rotate_model(tiny_moe("mixtral"), RotationPlan(r4=True))
+    with pytest.raises(QuantizationError, match="MLA"):
+        rotate_model(tiny_deepseek(), RotationPlan(r4=True))
     model = tiny_hf_llama()
     rotate_model(model, RotationPlan(r4=True))
     with pytest.raises(QuantizationError, match="rotated twice"):

@@ -336,7 +336,8 @@ def _add_quantize(sub) -> None:
                         "of an expert share it) or one per projection shared by all experts of the module")
     q.add_argument("--rotate", default="none", metavar=ROTATE_METAVAR,
                    help="rotations applied before PTQ (docs/ptq.md \"Rotations\"): r4 (online Hadamard on down_proj "
-                        "inputs), r1r2 (fused residual-stream and per-head rotations), r1r2r4, quip / block:N (online "
+                        "inputs), r1r2 (fused residual-stream and per-head rotations), r1r2r4, r3 (queries and keys after "
+                        "RoPE: with a recipe's FP8 KV cache), r1r2r3r4, quip / block:N (online "
                         "Hadamard on every Linear's input, full or N-blocks), mr (blocks of the quantization group: "
                         "MR-GPTQ with --method gptq); tokens join with '+' (r1r2+block:16). Default: none")
     number(q, "--rotation-seed", int, lo=0, hi=MAX_SEED, default=0)

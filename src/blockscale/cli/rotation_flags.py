@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-ROTATE_METAVAR = "{none,r4,r1r2,r1r2r4,quip,block:N,mr}"
+ROTATE_METAVAR = "{none,r4,r1r2,r1r2r4,r3,r1r2r3r4,quip,block:N,mr}"
 
 
 def check_rotate(text: str):
@@ -36,10 +36,10 @@ def check_learn_scales_rotation(args) -> None:
     from ..export.registry import format_named
 
     if Path(args.model).is_dir() and _online_rotations_in(args.model) and format_named(args.format).transforms is None:
-        raise UsageError(f"{args.model} rotates Linear inputs online (transform_config), which {args.format} "
+        raise UsageError(f"{args.model} rotates Linear inputs or keys online (transform_config), which {args.format} "
                          "checkpoints cannot hold: --format compressed-tensors")
     if args.rotate:
         plan = check_rotate(args.rotate)
-        if (plan.r4 or plan.inputs is not None) and format_named(args.format).transforms is None:
-            raise UsageError(f"--rotate {args.rotate} rotates Linear inputs online, which {args.format} checkpoints "
+        if plan.online and format_named(args.format).transforms is None:
+            raise UsageError(f"--rotate {args.rotate} rotates Linear inputs or keys online, which {args.format} checkpoints "
                              "cannot hold: --format compressed-tensors, or fused rotations only (--rotate r1r2)")

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..nn.coverage import weight_coverage
 from ..nn.input_rotation import input_rotations
+from ..nn.kv_cache import key_rotations
 from . import export_plan
 from .experts import ExpertsView, experts_view
 from .common import CONFIG_FILE, PRODUCER, REPORT_FILE, blockscale_version, drop_shared, model_dtype
@@ -228,14 +229,16 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
         bs_meta["method"] = user_meta["method"]
     if user_meta:
         bs_meta["metadata"] = user_meta
-    rotations = input_rotations(model)
-    if rotations and fmt.transforms is None:
-        first = next(iter(rotations))
-        raise ValueError(f"{fmt.name} checkpoints cannot hold online rotations ({first} has an online input rotation, "
-                         f"transform group {rotations[first][0]!r}; {len(rotations)} module(s) in all): export "
+    rotations, keys = input_rotations(model), key_rotations(model)
+    if (rotations or keys) and fmt.transforms is None:
+        first, what = (next(iter(rotations)), "an online input rotation") if rotations else \
+            (next(iter(keys)), "a key rotation (R3)")
+        table = rotations or keys
+        raise ValueError(f"{fmt.name} checkpoints cannot hold online rotations ({first} has {what}, transform group "
+                         f"{table[first][0]!r}; {len(rotations) + len(keys)} module(s) in all): export "
                          "compressed-tensors (transform_config), or rotate with fused rotations only (r1r2)")
-    if rotations:
-        bs_meta["online_rotations"] = sorted({g for g, _ in rotations.values()})
+    if rotations or keys:
+        bs_meta["online_rotations"] = sorted({g for g, _ in list(rotations.values()) + list(keys.values())})
         biased = [n for n in rotations if getattr(model.get_submodule(n), "bias", None) is not None]
         if biased:
             warnings.warn(f"{len(biased)} Linear(s) with a bias have an online input rotation ({biased[0]}, ...): "
@@ -244,9 +247,9 @@ def export_checkpoint(model: nn.Module, out_dir: Union[str, Path], format: str =
     qcfg = fmt.quantization_config(schemes, ignore, producer, bs_meta, plan.kv_granularity)
     side = fmt.side_files(schemes, ignore, producer, plan.kv_granularity)
     tensors = export_plan.tensors(plan, quantized, fmt, export_state(model, view))
-    if rotations:
-        keys, matrices = fmt.transforms(rotations, dtype)
-        qcfg.update(keys)
+    if rotations or keys:
+        entries, matrices = fmt.transforms(rotations, dtype, keys)
+        qcfg.update(entries)
         tensors.update(matrices)
     config_json = _config_json(model, fmt.serving_dtype or dtype, qcfg)
     report = {

@@ -36,8 +36,8 @@ def _parse(qcfg: Optional[dict], side) -> ParsedConfig:
     return replace(parsed, transforms=parse_transforms(qcfg))
 
 
-def _transforms(rotations: dict, dtype: torch.dtype) -> tuple[dict, dict]:
-    config, tensors = transform_config(rotations, dtype)
+def _transforms(rotations: dict, dtype: torch.dtype, keys: Optional[dict] = None) -> tuple[dict, dict]:
+    config, tensors = transform_config(rotations, dtype, keys)
     return {"transform_config": config}, tensors
 
 

@@ -15,10 +15,15 @@ unnormalised (entries +1 / -1, as compressed-tensors and vLLM hold it), as ``<mo
 its first target (sorted names): compressed-tensors saves a shared transform once and vLLM fills every sharer of
 a (group, size) from any one key. Fused rotations (R1, R2) are in the weights and not described here.
 
+Key rotations (SpinQuant's R3, ``nn.kv_cache.attach_key_rotation``) are one group ``R3`` whose ``apply`` holds
+``q_attn`` and ``k_cache`` entries with the attention modules as targets (llm-compressor's SpinQuant template); its
+matrix is stored once as ``<first attention module>.R3_q_attn.weight`` (compressed-tensors names a transform
+``<group>_<location>``; the two locations share one matrix).
+
 Reading (``parse_transforms`` then ``resolve``): the same fields (compressed-tensors forbids others), types
 hadamard / random-hadamard, locations ``input`` (applied online), ``weight_input`` / ``weight_output`` (offline:
-already in the weights); ``output``, ``q_attn``, ``k_cache``, ``randomize`` and ``random-matrix`` are refused with
-a message naming the key. A module shares its group's stored matrix of its size when its own key is absent
+already in the weights), ``q_attn`` + ``k_cache`` together on the same targets (key rotations); ``output``, one
+of ``q_attn`` / ``k_cache`` alone, ``randomize`` and ``random-matrix`` are refused with a message naming the key. A module shares its group's stored matrix of its size when its own key is absent
 (compressed-tensors writes shared matrices once).
 """
 from __future__ import annotations
@@ -41,20 +46,36 @@ PRECISIONS = ("float32", "torch.float32", "float64", "torch.float64", "bfloat16"
               "torch.float16")
 
 
-def matrix_key(module: str, group: str) -> str:
-    return f"{module}.{group}_input.weight"
+ATTENTION_LOCATIONS = ("q_attn", "k_cache")
 
 
-def transform_config(rotations: dict[str, tuple[str, Rotation]], dtype: torch.dtype) -> tuple[dict, dict]:
+def matrix_key(module: str, group: str, location: str = "input") -> str:
+    return f"{module}.{group}_{location}.weight"
+
+
+def _apply(names: list, location: str) -> list:
+    if location == "attention":
+        return [{"targets": names, "location": loc, "inverse": False, "ignore": []} for loc in ATTENTION_LOCATIONS]
+    return [{"targets": names, "location": "input", "inverse": False, "ignore": []},
+            {"targets": names, "location": "weight_input", "inverse": True, "ignore": []}]
+
+
+def transform_config(rotations: dict[str, tuple[str, Rotation]], dtype: torch.dtype,
+                     keys: Optional[dict[str, tuple[str, Rotation]]] = None) -> tuple[dict, dict]:
     """(``transform_config`` for config.json, {tensor name: the group's ±1 matrix in ``dtype``}) of ``rotations``
-    ({module name: (group, rotation)}). ValueError for an identity rotation (no compressed-tensors type) or
-    a group whose modules hold different matrices."""
+    ({module name: (group, rotation)}: online input rotations) and ``keys`` ({attention module name: (group,
+    rotation)}: key rotations, R3). ValueError for an identity rotation (no compressed-tensors type), a group
+    whose modules hold different matrices, or a group name used by both kinds."""
     groups: dict[str, list] = {}
-    for name, (group, rot) in rotations.items():
-        if rot.kind not in TYPES:
-            raise ValueError(f"{name}: a {rot.kind!r} rotation has no compressed-tensors transform type "
-                             f"({', '.join(TYPES)})")
-        groups.setdefault(group, []).append((name, rot))
+    where: dict[str, str] = {}
+    for kind, table in (("input", rotations), ("attention", keys or {})):
+        for name, (group, rot) in table.items():
+            if rot.kind not in TYPES:
+                raise ValueError(f"{name}: a {rot.kind!r} rotation has no compressed-tensors transform type "
+                                 f"({', '.join(TYPES)})")
+            if where.setdefault(group, kind) != kind:
+                raise ValueError(f"transform group {group!r} holds both input and key rotations")
+            groups.setdefault(group, []).append((name, rot))
     config, tensors = {}, {}
     for group, members in groups.items():
         first = members[0][1]
@@ -64,36 +85,38 @@ def transform_config(rotations: dict[str, tuple[str, Rotation]], dtype: torch.dt
         names = sorted(n for n, _ in members)
         config[group] = {
             "type": first.kind,
-            "apply": [{"targets": names, "location": "input", "inverse": False, "ignore": []},
-                      {"targets": names, "location": "weight_input", "inverse": True, "ignore": []}],
+            "apply": _apply(names, where[group]),
             "randomize": False, "requires_grad": False, "head_dim": first.size, "precision": "torch.float32"}
-        tensors[matrix_key(names[0], group)] = first.signed.to(dtype).contiguous()  # once per group, as CT saves it
+        loc = "q_attn" if where[group] == "attention" else "input"
+        tensors[matrix_key(names[0], group, loc)] = first.signed.to(dtype).contiguous()  # once, as CT saves it
     return ({"config_groups": config} if config else {}), tensors
 
 
 @dataclass(frozen=True)
 class TransformGroup:
-    """One parsed group: its name, type, head_dim (None: the module's full in_features), the targets and
-    ignore patterns of its online ``input`` entries."""
+    """One parsed group: its name, type, head_dim (None: the module's full size), the targets and ignore
+    patterns of its online entries, and where it acts: ``"input"`` (Linear inputs) or ``"attention"`` (queries
+    and keys of attention modules: ``q_attn`` + ``k_cache``)."""
 
     name: str
     type: str
     head_dim: Optional[int]
     targets: tuple[str, ...]
     ignore: tuple[str, ...]
+    location: str = "input"
 
-    def matches(self, module: str) -> bool:
-        return _match(self.targets, module) and not _match(self.ignore, module)
+    def matches(self, module: str, cls: str = "Linear") -> bool:
+        return _match(self.targets, module, cls) and not _match(self.ignore, module, cls)
 
 
-def _match(patterns, module: str) -> bool:
+def _match(patterns, module: str, cls: str = "Linear") -> bool:
     import re
 
     for p in patterns:
         if p.startswith("re:"):
             if re.match(p[3:], module):
                 return True
-        elif p in ("Linear", "nn.Linear") or p == module:
+        elif p == module or p == cls or (cls == "Linear" and p == "nn.Linear"):
             return True
     return False
 
@@ -133,7 +156,7 @@ def parse_transforms(qcfg: dict) -> tuple[TransformGroup, ...]:
         applies = scheme.get("apply")
         if not isinstance(applies, list):
             raise schema.ConfigError(f"{key}.apply: expected a list")
-        targets, ignore = [], []
+        targets, ignore, attention = [], [], {}
         for i, a in enumerate(applies):
             akey = f"{key}.apply[{i}]"
             a = schema.obj(a, akey)
@@ -145,6 +168,13 @@ def parse_transforms(qcfg: dict) -> tuple[TransformGroup, ...]:
             ig = [ig] if isinstance(ig, str) else schema.str_list(ig, f"{akey}.ignore")
             if loc in OFFLINE:
                 continue  # already fused into the stored weights
+            if loc in ATTENTION_LOCATIONS:
+                if a.get("inverse") not in (None, False):
+                    raise schema.ConfigError(f"{akey}.inverse: an inverse {loc} transform is not supported")
+                if loc in attention:
+                    raise schema.ConfigError(f"{akey}.location: {loc!r} appears twice in the group")
+                attention[loc] = (tuple(t), tuple(ig))
+                continue
             if loc != "input":
                 raise schema.ConfigError(f"{akey}.location: {loc!r} transforms are not supported (blockscale applies "
                                          "online 'input' transforms; offline ones are read as stored)")
@@ -152,28 +182,53 @@ def parse_transforms(qcfg: dict) -> tuple[TransformGroup, ...]:
                 raise schema.ConfigError(f"{akey}.inverse: an inverse online input transform is not supported")
             targets += t
             ignore += ig
-        if targets:
+        if attention:
+            out.append(_attention_group(gname, kind, hd, attention, targets, key))
+        elif targets:
             out.append(TransformGroup(gname, kind, hd, tuple(targets), tuple(ignore)))
     return tuple(out)
 
 
-def resolve(groups: tuple[TransformGroup, ...], linears: dict[str, int], present: set,
-            where: str) -> dict[str, tuple[TransformGroup, int, str]]:
+def _attention_group(gname: str, kind: str, hd, attention: dict, inputs: list, key: str) -> TransformGroup:
+    """A key-rotation group: ``q_attn`` and ``k_cache`` on the same targets (one without the other changes
+    what attention computes), and no ``input`` entries beside them."""
+    if inputs:
+        raise schema.ConfigError(f"{key}.apply: a group with q_attn / k_cache transforms cannot also hold input "
+                                 "transforms (blockscale reads one kind per group)")
+    if set(attention) != set(ATTENTION_LOCATIONS):
+        have = ", ".join(sorted(attention))
+        raise schema.ConfigError(f"{key}.apply: {have} without {' / '.join(set(ATTENTION_LOCATIONS) - set(attention))}"
+                                 ": queries and keys must be rotated together (q k^T unchanged)")
+    if attention["q_attn"] != attention["k_cache"]:
+        raise schema.ConfigError(f"{key}.apply: q_attn and k_cache have different targets / ignore; they must "
+                                 "rotate the same attention modules")
+    targets, ignore = attention["q_attn"]
+    return TransformGroup(gname, kind, hd, targets, ignore, "attention")
+
+
+def resolve(groups: tuple[TransformGroup, ...], linears: dict[str, int], present: set, where: str,
+            attentions: Optional[dict[str, tuple[int, str]]] = None) -> dict[str, tuple[TransformGroup, int, str]]:
     """{module name: (group, block size, the stored key holding its matrix)} for ``linears`` ({on-disk Linear
-    name: in_features}) matched by an online group's targets. ``schema.ConfigError`` when a module is matched
-    twice, its in_features is not a multiple of the group's head_dim, or no matrix of its group and size is
-    stored."""
+    name: in_features}) matched by an online input group's targets and ``attentions`` ({attention module name:
+    (head_dim, class name)}) matched by a key-rotation group's. ``schema.ConfigError`` when a module is matched
+    twice, its size is not a multiple of the group's head_dim, or no matrix of its group and size is stored."""
     out: dict[str, tuple[TransformGroup, int, str]] = {}
     for g in groups:
-        matched = [n for n in linears if g.matches(n)]
+        attention = g.location == "attention"
+        sizes = {n: v[0] for n, v in (attentions or {}).items()} if attention else linears
+        classes = {n: v[1] for n, v in (attentions or {}).items()} if attention else {}
+        matched = [n for n in sizes if g.matches(n, classes.get(n, "Linear"))]
         for n in matched:
             if n in out:
-                raise schema.ConfigError(f"{where}: {n} has two online input transforms ({out[n][0].name}, {g.name})")
-            size = g.head_dim or linears[n]
-            if linears[n] % size:
-                raise schema.ConfigError(f"{where}: {n}: in_features {linears[n]} is not a multiple of transform "
+                raise schema.ConfigError(f"{where}: {n} has two online transforms ({out[n][0].name}, {g.name})")
+            size = g.head_dim or sizes[n]
+            if sizes[n] % size:
+                what = "head_dim" if attention else "in_features"
+                raise schema.ConfigError(f"{where}: {n}: {what} {sizes[n]} is not a multiple of transform "
                                          f"group {g.name!r}'s head_dim {size}")
-            own = matrix_key(n, g.name)
+            own = matrix_key(n, g.name, "q_attn" if attention else "input")
+            if attention and own not in present and matrix_key(n, g.name, "k_cache") in present:
+                own = matrix_key(n, g.name, "k_cache")
             out[n] = (g, size, own)
         shared: dict[int, str] = {}
         for n in matched:

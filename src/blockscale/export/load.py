@@ -27,7 +27,7 @@ from ..errors import UsageError
 from ..models.checkpoint_detection import detected_format, file_inside
 from ..models.routing_config import check_model_config
 from ..nn.input_rotation import attach_input_rotation
-from ..nn.kv_cache import set_kv_scales
+from ..nn.kv_cache import attach_key_rotation, set_kv_scales
 from . import schema
 from .common import FORMATS, CheckpointError, drop_shared
 from .experts import split_experts
@@ -230,8 +230,9 @@ def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, d
             kv.setdefault(attn, {})[which] = shards.get(key).to(torch.float32).reshape(-1)
     for attn, d in kv.items():
         set_kv_scales(model.get_submodule(attn), d["k_scale"], d["v_scale"])
-    for name, (group, _, _) in plan.rotations.items():  # online input rotations (compressed-tensors transform_config)
-        attach_input_rotation(model.get_submodule(plan.memory(name)), plan.rotation_of(shards, name), group.name)
+    for name, (group, _, _) in plan.rotations.items():  # online rotations (compressed-tensors transform_config)
+        attach = attach_key_rotation if group.location == "attention" else attach_input_rotation
+        attach(model.get_submodule(plan.memory(name)), plan.rotation_of(shards, name), group.name)
     _stack_experts(model, plan, detached)
 
 

@@ -68,10 +68,10 @@ class Plan:
     experts: dict = field(default_factory=dict)  # in-memory experts module name -> QExperts
     family: Optional[Family] = None  # with experts: the hub naming of every on-disk name
     high_experts: dict = field(default_factory=dict)  # in-memory name -> its per-expert high-precision Linears
-    rotations: dict = field(default_factory=dict)  # on-disk Linear name -> (TransformGroup, size, matrix key)
+    rotations: dict = field(default_factory=dict)  # on-disk module name -> (TransformGroup, size, matrix key)
 
     def rotation_of(self, shards: Shards, name: str):
-        """The validated online input rotation of Linear ``name`` (``ct_transforms.read_rotation``)."""
+        """The validated online rotation of module ``name`` (``ct_transforms.read_rotation``)."""
         group, size, key = self.rotations[name]
         try:
             return read_rotation(group, size, shards.get(key), key)
@@ -225,12 +225,15 @@ def build_plan(model: nn.Module, parsed: ParsedConfig, bs: dict, fmt: Checkpoint
 
 
 def _rotations(model: nn.Module, parsed: ParsedConfig, fam, present: Optional[set], config_path: Path) -> dict:
-    """{on-disk Linear name: (TransformGroup, size, matrix key)} of the online input transforms."""
+    """{on-disk module name: (TransformGroup, size, matrix key)} of the online transforms: Linear inputs and
+    attention modules' queries / keys (R3)."""
     if not parsed.transforms:
         return {}
     linears = {hub_name(n, fam): m.in_features for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    attns = {n: (int(getattr(m, "head_dim", 0) or 0), type(m).__name__) for n, m in attention_modules(model).items()}
     try:
-        return resolve(parsed.transforms, linears, set(present or ()), "quantization_config.transform_config")
+        return resolve(parsed.transforms, linears, set(present or ()), "quantization_config.transform_config",
+                       attns)
     except schema.ConfigError as e:
         raise CheckpointError(f"{config_path}: {e}") from None
 

@@ -79,8 +79,9 @@ class CheckpointFormat:
       and ``parse`` reads (when present).
     serving_dtype: config.json ``dtype`` to write (the dtype the format's runtime decompresses to);
       None: the model dtype.
-    transforms(rotations {module: (group, Rotation)}, dtype) -> ({quantization_config keys to set}, {tensor name:
-      tensor}): how the format stores online input rotations (None: it cannot; ``export_checkpoint`` refuses them).
+    transforms(rotations {module: (group, Rotation)}, dtype, keys {attention module: (group, Rotation)}) ->
+      ({quantization_config keys to set}, {tensor name: tensor}): how the format stores online input rotations and
+      key rotations (R3) (None: it cannot; ``export_checkpoint`` refuses them).
     detection: how ``detects`` recognises it, in words (for the "not a checkpoint" message).
     """
 
@@ -97,7 +98,7 @@ class CheckpointFormat:
     kv: Optional[KVScales] = None
     serving_dtype: Optional[torch.dtype] = None
     detection: str = ""
-    transforms: Optional[Callable[[dict, torch.dtype], tuple[dict, dict]]] = None
+    transforms: Optional[Callable[[dict, torch.dtype, Optional[dict]], tuple[dict, dict]]] = None
 
 
 _BY_NAME: dict[str, CheckpointFormat] = {}

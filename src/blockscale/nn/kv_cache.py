@@ -13,6 +13,11 @@ module) replaces that kwarg with a small cache object whose ``update``
     3. forwards K^ / V^ to the real cache's ``update`` if there was one (generation: the cache stores
        K^ / V^) and returns what it returns, else returns (K^, V^) (calibration / evaluation).
 
+With a key rotation (``attach_key_rotation``: SpinQuant's R3, a Hadamard H of head_dim) step 1 records the
+amax of K H and step 2 quantizes there: K^ = Q(K H) H^T. Attention then computes q K^^T = (q H) Q(K H)^T,
+exactly what an engine rotating queries and keys after RoPE computes (compressed-tensors' ``q_attn`` /
+``k_cache`` transforms); without KV scales the rotation cancels and nothing is computed.
+
 This works for any attention implementation (eager, sdpa, ...): they all receive what ``update``
 returns. The scales are FP32 buffers ``attn.k_scale`` / ``attn.v_scale`` (state-dict names
 ``<...>.self_attn.k_scale``, compressed-tensors' names), s = amax / 448 (1 where amax is 0).
@@ -158,13 +163,39 @@ def remove_kv_quantization(attn: nn.Module) -> None:
 
 
 # -- the hook -----------------------------------------------------------------------------------
+def attach_key_rotation(attn: nn.Module, rot, group: str = "R3") -> None:
+    """Quantize ``attn``'s post-RoPE keys in a rotated basis (``rot``: a ``quant.transforms.rotation.Rotation``
+    whose block divides head_dim; see the module docstring). Refused when the module already has one."""
+    if key_rotation(attn) is not None:
+        raise UsageError(f"{type(attn).__name__} already has a key rotation ({attn.key_rotation_group})")
+    head_dim = getattr(attn, "head_dim", None)
+    if isinstance(head_dim, int):
+        rot.check_dim(head_dim, f"{type(attn).__name__} head_dim")
+    attn.key_rotation = rot
+    attn.key_rotation_group = str(group)
+
+
+def key_rotation(attn: nn.Module):
+    """The attention module's key rotation (``attach_key_rotation``), or None."""
+    return getattr(attn, "key_rotation", None)
+
+
+def key_rotations(model: nn.Module) -> dict:
+    """{attention module name: (group, rotation)} of every module with a key rotation."""
+    return {name: (m.key_rotation_group, m.key_rotation) for name, m in model.named_modules()
+            if key_rotation(m) is not None}
+
+
 def _process(attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Observe then (with scales) fake-quantize one call's post-RoPE K / V."""
+    """Observe then (with scales) fake-quantize one call's post-RoPE K / V (K in the key rotation's basis)."""
+    rot = key_rotation(attn)
+    kr = rot.apply(k) if rot is not None else k
     for observer, name in tuple(attn.__dict__.get(_OBSERVERS, ())):
-        observer.record(name, k, v)
+        observer.record(name, kr, v)
     scales = kv_scales(attn)
     if scales is not None:
-        k, v = fp8_kv_fake_quantize(k, scales[0]), fp8_kv_fake_quantize(v, scales[1])
+        kq = fp8_kv_fake_quantize(kr, scales[0])
+        k, v = (rot.unapply(kq) if rot is not None else kq), fp8_kv_fake_quantize(v, scales[1])
     return k, v
 
 
@@ -266,5 +297,6 @@ def observe_kv(attn_modules: dict, per_head: bool = False) -> KVAmaxObserver:
 
 KV_MAX = FP8_MAX[KV_ELEMENT]
 
-__all__ = ["CACHE_KWARGS", "KVAmaxObserver", "KV_MAX", "attention_modules", "fp8_kv_fake_quantize",
-           "kv_scale_from_amax", "kv_scales", "observe_kv", "remove_kv_quantization", "set_kv_scales"]
+__all__ = ["CACHE_KWARGS", "KVAmaxObserver", "KV_MAX", "attach_key_rotation", "attention_modules",
+           "fp8_kv_fake_quantize", "key_rotation", "key_rotations", "kv_scale_from_amax", "kv_scales", "observe_kv",
+           "remove_kv_quantization", "set_kv_scales"]

@@ -82,8 +82,8 @@ def oneshot(model, tokenizer, config: PTQConfig, calibration: str, out: Union[st
     opt = OneshotOptions(**options)
     check_recipe_exportable(config.ptq_recipe, format)
     plan = config.rotation_plan
-    if (plan.r4 or plan.inputs is not None) and format_named(format).transforms is None:
-        raise UsageError(f"rotate={config.rotate!r} rotates Linear inputs online, which {format_named(format).name} "
+    if plan.online and format_named(format).transforms is None:
+        raise UsageError(f"rotate={config.rotate!r} rotates Linear inputs or keys online, which {format_named(format).name} "
                          "checkpoints cannot hold: export compressed-tensors (transform_config), or use fused "
                          "rotations only (rotate='r1r2')")
 

@@ -318,6 +318,12 @@ def start_pass(model: nn.Module, config: PTQConfig, calibration, device=None, *,
             raise UsageError(f"rotate={plan.label!r} needs the whole model in memory (R1 rotates the embeddings and "
                              "lm_head): run without streaming (--no-streaming)")
         report.rotation = rotate_model(model, plan, schemes).lines()
+        if plan.r3 and config.ptq_recipe.kv_cache is None:
+            msg = (f"rotate={plan.label!r}: R3 rotates queries and keys for the KV cache's key quantization, and this "
+                   "recipe has no kv_cache: it changes nothing (a recipe with kv_cache, e.g. nvfp4-experts-fp8-attention)")
+            warnings.warn(msg, UserWarning, stacklevel=3)
+            report.warnings.insert(warned, msg)  # (warned now: not repeated in finish_pass's summary)
+            warned += 1
     return LayerPass(model, layers, prefix, config, method, method.statistics(), spec, act_rule, report, per_layer,
                      per_layer_experts, schemes, warned, home, device, ranks)
 

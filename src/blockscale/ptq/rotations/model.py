@@ -15,13 +15,20 @@ unchanged up to that rounding):
 
 Online rotations (``nn.input_rotation``: a forward pre-hook ``x -> x Q`` and W <- W Q fused):
 
+  R3  the post-RoPE queries and keys, Sylvester Hadamard over head_dim (``keys``: only the KV cache's key
+      quantization sees it).
   R4  down_proj's input, Sylvester Hadamard over the largest power-of-two block of intermediate_size.
   quip / block:N / mr  every decoder Linear's input (q/k/v/o, gate/up/down), one block size per Linear.
 
 Everything is checked before any weight changes (no half-rotated model). Supported: dense decoder layers of
 the smoothing families with RMSNorm (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, blockscale's own Llama);
 R1 refuses Gemma 2 / 3 (their sandwich norms act on the residual branch outputs with non-uniform weights,
-which do not commute with Q1); MoE / MLA layers are refused for now.
+which do not commute with Q1); MoE layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss; ``experts``): R1 also
+folds the post-attention norm into the router, every routed expert's gate_up and the shared expert (and
+shared_expert_gate), and rotates every expert's down_proj output rows (gpt-oss: its bias too); the router's logits
+are unchanged, so R1 commutes with routing. R2 is attention-only. Online rotations rotate only the dense Linears
+(attention, the shared expert); the routed experts stay unrotated (listed in ``RotationReport.skipped``), the router
+and shared_expert_gate are never rotated online. MLA layers (DeepSeek-V2 / V3) are refused.
 """
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ from ...quant.transforms.rotation import Rotation, largest_power_of_two_divisor,
 from ..capture import decoder_layers
 from ..smoothing import find_smoothing_groups, smoothing_family
 from ..smoothing.slices import WeightSlice
+from .keys import apply_key_rotations, key_rotation_targets
+from .experts import MoEParts, finish_moe_layer, fold_moe_r1, moe_layer, moe_unrotated  # MoE layers
 from .plan import RotationPlan
 
 _NORM_FOLDS = {0.0: 1.0, 1.0: 0.0}  # norm_offset -> the weight value that makes offset + weight == 1
@@ -54,10 +63,14 @@ class RotationReport:
     online: dict[str, tuple[str, int]] = field(default_factory=dict)
     untied: bool = False
     skipped: list[str] = field(default_factory=list)
+    keys: Optional[tuple[str, int]] = None  # R3: (rotation description, attention module count)
 
     def lines(self) -> list[str]:
         out = [f"rotate {self.plan}:"] + [f"  fused {f}" for f in self.fused]
         out += [f"  online {g}: {d} on {n} Linear input(s)" for g, (d, n) in self.online.items()]
+        if self.keys is not None:
+            out.append(f"  online R3: {self.keys[0]} on the post-RoPE queries and keys of {self.keys[1]} attention "
+                       "module(s) (changes only a quantized KV cache)")
         if self.untied:
             out.append("  lm_head untied from the embeddings")
         out += [f"  unrotated {s}" for s in self.skipped]
@@ -78,6 +91,7 @@ class _Layer:
     out_proj: Optional[nn.Linear] = None
     head_dim: Optional[int] = None
     down: Optional[nn.Linear] = None
+    moe: Optional[MoEParts] = None  # MoE layers: routers / fused experts (experts.py)
 
 
 def _norm_weight(norm: nn.Module, name: str) -> nn.Parameter:
@@ -93,13 +107,14 @@ def _norm_weight(norm: nn.Module, name: str) -> nn.Parameter:
 def _analyse(layer: nn.Module, index: int, prefix: str, plan: RotationPlan) -> _Layer:
     where = f"{prefix}.{index}"
     fam = smoothing_family(layer)
-    if fam is not None and fam.moe:
-        raise QuantizationError(f"{where}: rotations are not supported for MoE / MLA decoder layers "
-                                f"({type(layer).__name__}) yet")
-    try:
-        groups = find_smoothing_groups(layer)
-    except (NotImplementedError, ValueError) as err:
-        raise QuantizationError(f"{where}: rotations need a decoder layer of a known family: {err}") from err
+    moe = None
+    if fam is not None and fam.moe:  # MoE layers (MLA refused): experts.py
+        groups, moe = moe_layer(layer, where)
+    else:
+        try:
+            groups = find_smoothing_groups(layer)
+        except (NotImplementedError, ValueError) as err:
+            raise QuantizationError(f"{where}: rotations need a decoder layer of a known family: {err}") from err
     if plan.r1 and fam is not None and fam.name in ("gemma2", "gemma3"):
         raise QuantizationError(f"{where}: rotation R1 does not commute with {type(layer).__name__}'s sandwich norms "
                                 "(post-attention / post-feedforward RMSNorm weights act on the residual branch); "
@@ -118,7 +133,9 @@ def _analyse(layer: nn.Module, index: int, prefix: str, plan: RotationPlan) -> _
     out_names = [names[id(w)] for w in writers]
     info.out_proj = next((w for w in writers if names[id(w)].endswith(("o_proj", "wo"))), None)
     info.down = next((w for w in writers if names[id(w)].endswith(("down_proj", "w2"))), None)
-    if plan.r1:
+    if moe is not None:  # MoE: R1's writers checked, routers / routed experts out of info.linears (experts.py)
+        finish_moe_layer(info, moe, plan)
+    elif plan.r1:
         hidden = norms[0][2][0].in_features if norms else None
         bad = [n for n, w in zip(out_names, writers) if w.out_features != hidden]
         if bad or len(writers) != 2:
@@ -139,7 +156,7 @@ def _analyse(layer: nn.Module, index: int, prefix: str, plan: RotationPlan) -> _
         if info.value is None or info.out_proj is None:
             raise QuantizationError(f"{where}: rotation R2 could not find v_proj and o_proj")
         info.head_dim = hd
-    if plan.r4 and info.down is None:
+    if plan.r4 and info.down is None and moe is None:  # MoE: R4 on the shared expert's down_proj, if any
         raise QuantizationError(f"{where}: rotation R4 could not find down_proj")
     return info
 
@@ -205,6 +222,8 @@ def _apply_r1(model, infos, embed, head, final_norm, q1: Rotation, report: Rotat
     report.untied = _untie(model, head, embed)
     embed.weight.data = q1.fold_input(embed.weight.data)
     for info in infos:
+        if info.moe is not None:  # MoE: router, fused experts (experts.py), before the norm weight is reset
+            fold_moe_r1(info.moe, q1)
         for norm, offset, cons in info.norms:
             for lin in cons:
                 _fold_norm_then_rotate(lin, norm.weight, offset, q1)
@@ -230,8 +249,9 @@ def _apply_r2(infos, plan: RotationPlan, report: RotationReport) -> None:
 
 def _online(infos, plan: RotationPlan, blocks: dict, report: RotationReport) -> list[tuple[nn.Linear, str, int]]:
     """(Linear, group, block size) of every online rotation the plan asks for; Linears left out in ``report``."""
-    online = [(info.down, "R4", largest_power_of_two_divisor(info.down.in_features)) for info in infos] \
-        if plan.r4 else []
+    online = [(info.down, "R4", largest_power_of_two_divisor(info.down.in_features)) for info in infos
+              if info.down is not None] if plan.r4 else []
+    report.skipped += moe_unrotated(infos, plan)  # MoE: routed experts (and routers) left unrotated
     for info in infos:
         for lin in info.linears.values():
             if id(lin) in blocks:
@@ -282,6 +302,7 @@ def rotate_model(model: nn.Module, plan: RotationPlan, schemes: Optional[dict] =
     infos = [_analyse(layer, i, prefix, plan) for i, layer in enumerate(layers)]
     blocks = _input_blocks(plan, infos, schemes) if plan.inputs is not None else {}
     _check_blocks(infos, blocks)
+    r3_targets = key_rotation_targets(layers, prefix) if plan.r3 else []
     if plan.r1:
         embed, head, final_norm = _r1_modules(model, prefix, infos)
         q1 = rotation(plan.fused_kind, largest_power_of_two_divisor(embed.weight.shape[1]), plan.seed)
@@ -289,4 +310,6 @@ def rotate_model(model: nn.Module, plan: RotationPlan, schemes: Optional[dict] =
     if plan.r2:
         _apply_r2(infos, plan, report)
     _apply_online(_online(infos, plan, blocks, report), plan, report)
+    if r3_targets:
+        report.keys = apply_key_rotations(r3_targets, plan.online_kind, plan.seed)
     return report

@@ -133,6 +133,13 @@ def _layer_prefix(layer) -> str:
     return ""
 
 
+def _consumer_modules(group) -> list:
+    """The modules reading a group's input (an MoE group's: routers, fused experts, the shared expert's Linears)."""
+    if isinstance(group, MoESmoothingGroup):
+        return [c.weight.module for c in group.consumers]
+    return list(group.linears)
+
+
 @torch.no_grad()
 def smooth_layer(layer, method: str, choose: Callable, choose_parts: Optional[Callable] = None) -> dict[str, float]:
     """Fold per-group scales into ``layer`` (a ``LayerContext``) in place. ``choose(group, stats,
@@ -142,8 +149,7 @@ def smooth_layer(layer, method: str, choose: Callable, choose_parts: Optional[Ca
     name for its experts) -> alpha. What stays unsmoothed in a supported layer (MLA's o_proj) is noted
     in ``layer.notes`` when the context has that list."""
     groups, notes = layer_smoothing_groups(layer.module)
-    rotated = [g for g in groups if not isinstance(g, MoESmoothingGroup)
-               and any(input_rotation(m) is not None for m in g.linears)]
+    rotated = [g for g in groups if any(input_rotation(m) is not None for m in _consumer_modules(g))]
     if rotated:  # x Q then W Q: a per-channel scale folded before Q cannot be undone on W Q's columns
         notes = list(notes) + [f"{g.name}: not smoothed (its Linears' inputs are rotated online)" for g in rotated]
         groups = [g for g in groups if not any(g is r for r in rotated)]

@@ -11,7 +11,7 @@ Kinds (the names compressed-tensors' ``TransformScheme.type`` uses where one exi
 
 The places a rotation acts, in compressed-tensors' conventions (``y = x W^T``; docs/formats.md):
 
-  online input             ``apply(x)``          x -> x Q
+  online input             ``apply(x)``          x -> x Q      (``unapply``: x -> x Q^T)
   fused into a weight's    ``fold_input(W)``     W -> W Q      ("weight_input", inverse=True): (x Q)(W Q)^T = x W^T
   input columns
   fused into a weight's    ``fold_output(W)``    W -> Q^T W, bias b -> Q^T b   ("weight_output"): y -> y Q
@@ -71,6 +71,14 @@ class Rotation:
         m = self.matrix(work, x.device)
         n = self.size
         y = x.to(work).reshape(-1, n) @ m
+        return y.reshape(x.shape).to(x.dtype)
+
+    def unapply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Q^T`` over the last dim (the inverse of ``apply``), computed like ``apply``."""
+        self.check_dim(x.shape[-1], "rotated input")
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        m = self.matrix(work, x.device)
+        y = x.to(work).reshape(-1, self.size) @ m.T
         return y.reshape(x.shape).to(x.dtype)
 
     def fold_input(self, weight: torch.Tensor) -> torch.Tensor:
