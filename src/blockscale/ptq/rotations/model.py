@@ -176,6 +176,14 @@ def _fold_output_rows(lin: nn.Linear, q: Rotation, first: int = 0, rows: Optiona
         b[first:first + rows] = q.fold_output(b[first:first + rows].unsqueeze(-1)).squeeze(-1)
 
 
+def _fused(plan: RotationPlan, size: int, seed: int) -> Rotation:
+    """R1 / R2's rotation: random Hadamard ``diag(s) H``, or with online input rotations in the plan its transpose
+    ``H diag(s)``: the online Sylvester blocks would otherwise cancel the fused one's Sylvester factor
+    (``diag(s) H_64 blockdiag(H_16) = 16 diag(s) (H_4 x I_16)``: R1 + mr would mix only 4 channels, R1 + quip none)."""
+    q = rotation(plan.fused_kind, size, seed)
+    return q.transposed() if plan.inputs is not None else q
+
+
 def _untie(model: nn.Module, head: nn.Module, embed: nn.Module) -> bool:
     if head.weight is not embed.weight and head.weight.data_ptr() != embed.weight.data_ptr():
         return False
@@ -240,7 +248,7 @@ def _apply_r1(model, infos, embed, head, final_norm, q1: Rotation, report: Rotat
 def _apply_r2(infos, plan: RotationPlan, report: RotationReport) -> None:
     rots: dict[int, Rotation] = {}
     for info in infos:
-        q2 = rots.setdefault(info.head_dim, rotation(plan.fused_kind, info.head_dim, plan.seed + 1))
+        q2 = rots.setdefault(info.head_dim, _fused(plan, info.head_dim, plan.seed + 1))
         lin, first, rows = info.value
         _fold_output_rows(lin, q2, first, rows)
         info.out_proj.weight.data = q2.fold_input(info.out_proj.weight.data)
@@ -305,7 +313,7 @@ def rotate_model(model: nn.Module, plan: RotationPlan, schemes: Optional[dict] =
     r3_targets = key_rotation_targets(layers, prefix) if plan.r3 else []
     if plan.r1:
         embed, head, final_norm = _r1_modules(model, prefix, infos)
-        q1 = rotation(plan.fused_kind, largest_power_of_two_divisor(embed.weight.shape[1]), plan.seed)
+        q1 = _fused(plan, largest_power_of_two_divisor(embed.weight.shape[1]), plan.seed)
         _apply_r1(model, infos, embed, head, final_norm, q1, report)
     if plan.r2:
         _apply_r2(infos, plan, report)

@@ -50,6 +50,13 @@ class Rotation:
     size: int
     signed: torch.Tensor = field(repr=False)
     seed: Optional[int] = None
+    signs_after: bool = False  # "random-hadamard" as H . diag(s) (``transposed``) instead of diag(s) . H
+
+    def transposed(self) -> "Rotation":
+        """``M^T`` (also orthogonal). For "random-hadamard" that is ``H diag(s)``: the signs act after the Sylvester
+        matrix, so a following Sylvester block-diagonal rotation cannot cancel it (``diag(s) H_64`` times
+        ``blockdiag(H_16)`` is ``diag(s) (H_4 x I_16)`` up to scale: each output mixes only 4 inputs)."""
+        return Rotation(self.kind, self.size, self.signed.T.contiguous(), self.seed, not self.signs_after)
 
     @property
     def normaliser(self) -> float:
@@ -99,7 +106,8 @@ class Rotation:
 
     def describe(self) -> str:
         seed = f" seed {self.seed}" if self.kind == "random-hadamard" else ""
-        return f"{self.kind} {self.size}{seed}"
+        after = " (signs after H)" if self.signs_after and self.kind == "random-hadamard" else ""
+        return f"{self.kind} {self.size}{seed}{after}"
 
 
 def rotation(kind: str, size: int, seed: int = 0) -> Rotation:
