@@ -56,17 +56,23 @@ CELLS = ([("nvfp4", "w4a4", m, ROTATIONS) for m in ("RTN", "GPTQ", "RTN hessian"
 # R3 only changes a quantized KV cache: NVFP4 W4A4 with the FP8 KV cache (per layer), format label "nvfp4+kv8"
 KV_ROTATIONS = ("none", "r3", "r1r2r4", "r1r2r3r4")
 KV_CELLS = [("nvfp4+kv8", "w4a4", m, KV_ROTATIONS) for m in ("RTN", "GPTQ")]
+# the KV cache's own cost: full-precision Linears with an FP8 / NVFP4 KV cache, then NVFP4 W4A4 with the NVFP4 one
+KV_CELLS += [("bf16+kv8", "w16a16", "RTN", ("none", "r3")), ("bf16+kv4", "w16a16", "RTN", ("none", "r3")),
+             ("nvfp4+kv4", "w4a4", "RTN", ("none", "r3"))]
+KV_SCHEMES = {"kv8": "fp8-e4m3", "kv4": "nvfp4"}
 # another model (--model moe-3m: R1 / R2 fused through the router and experts, online rotations on the dense Linears)
 MOE_CELLS = [("nvfp4", a, m, ROTATIONS) for a in ("w4a4", "w4a16") for m in ("RTN", "GPTQ")]
 
 
 def _config(fmt: str, acts: str, method: str, rotate: str, spec) -> PTQConfig:
-    fields = dict(METHODS[fmt.split("+")[0]][method])
+    fields = dict(METHODS["nvfp4" if fmt.startswith("bf16") else fmt.split("+")[0]][method])
     common = dict(n_samples=spec["calib_samples"], seq_len=spec["calib_seq_len"],
                   skip_indivisible=spec["skip_indivisible"], rotate=rotate)
-    if fmt == "nvfp4+kv8":  # the grid's NVFP4 recipe (RTN / GPTQ: no scale rule to move) plus the FP8 KV cache
-        recipe = PTQConfig(activations=acts).ptq_recipe.replace(kv_cache=KVCacheScheme())
-        return PTQConfig(recipe=recipe, **fields, **common)
+    if "+kv" in fmt:  # the grid's NVFP4 recipe (RTN / GPTQ: no scale rule to move) or bf16, plus a KV cache
+        base, kv = fmt.split("+")
+        recipe = PTQConfig(activations=acts).ptq_recipe if base == "nvfp4" else \
+            PTQRecipe.single(Scheme("bf16"), ignore=DEFAULT_EXCLUDE)
+        return PTQConfig(recipe=recipe.replace(kv_cache=KVCacheScheme(KV_SCHEMES[kv])), **fields, **common)
     if fmt == "nvfp4":
         return PTQConfig(activations=acts, **fields, **common)
     scheme = Scheme("mxfp4" if acts == "w4a4" else "mxfp4-w4a16")
@@ -220,6 +226,25 @@ def report(out: Path, generated_by: str, others=()) -> str:
                              f"{r['ppl']:.4f} ({_closed(r['ppl'], rtn['ppl'], fp):.0f}%, {r['ptq_seconds']:.0f} s)")
             if any(c != "not run" for c in cells):
                 lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    cost = [(f, a, label) for f, a, label in (("bf16+kv8", "w16a16", "full-precision Linears, FP8 KV"),
+                                               ("bf16+kv4", "w16a16", "full-precision Linears, NVFP4 KV"),
+                                               ("nvfp4+kv8", "w4a4", "NVFP4 W4A4 RTN, FP8 KV"),
+                                               ("nvfp4+kv4", "w4a4", "NVFP4 W4A4 RTN, NVFP4 KV"))
+            if res.get(key_of(f, a, "RTN", "none")) is not None]
+    if cost:
+        w4a4 = res.get(key_of("nvfp4", "w4a4", "RTN", "none"))
+        lines += ["## What the KV cache costs, and R3 (RTN, one KV scale per layer)", "",
+                  f"Perplexity (and the change against the same Linears without KV quantization: full precision "
+                  f"{fp:.4f}, NVFP4 W4A4 RTN {w4a4['ppl']:.4f}).", "",
+                  "| Linears, KV cache | no rotation | R3 |", "|---|---|---|"]
+        for f, a, label in cost:
+            base = fp if f.startswith("bf16") else w4a4["ppl"]
+            cells = []
+            for rot in ("none", "r3"):
+                r = res.get(key_of(f, a, "RTN", rot))
+                cells.append("not run" if r is None else f"{r['ppl']:.4f} ({r['ppl'] - base:+.4f})")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     runs = [r for r in res.rows if r["key"].startswith("pipeline [")]
     if runs:

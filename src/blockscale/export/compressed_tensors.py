@@ -6,10 +6,12 @@ each Linear's tensors as its codec writes them (``ct_codecs``: NVFP4 ``nvfp4-pac
 weight_packed / weight_scale / weight_global_scale = the encode scale S / input_global_scale, FP8, MX).
 An all-NVFP4 model without KV-cache scales is the one-group case: group_0 targets every Linear and
 ``ignore`` names every module kept in high precision (Linears, routers, fused 3-D MoE experts), so no
-engine reads it as NVFP4. KV cache: ``kv_cache_scheme`` and ``<attn>.k_scale`` / ``<attn>.v_scale``.
+engine reads it as NVFP4. KV cache: ``kv_cache_scheme`` and ``<attn>.k_scale`` / ``<attn>.v_scale`` (FP8; NVFP4 as a
+tensor_group scheme with the engines' s = amax / 448, read back by blockscale only: a warning says so).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Optional
 
@@ -36,6 +38,15 @@ def _parse(qcfg: Optional[dict], side) -> ParsedConfig:
     return replace(parsed, transforms=parse_transforms(qcfg))
 
 
+def _check(schemes: dict, kv: Optional[str]) -> None:
+    """An NVFP4 KV cache is written (and read back by blockscale), with a warning: no engine reads it from here."""
+    if kv == "nvfp4":
+        warnings.warn("an NVFP4 KV cache in a compressed-tensors checkpoint: blockscale.load reads it, but no serving "
+                      "engine reads an NVFP4 kv_cache_scheme from compressed-tensors (vLLM's loader accepts KV strategies "
+                      "tensor / attn_head only); export format='modelopt' (kv_cache_quant_algo NVFP4) to serve it",
+                      UserWarning, stacklevel=4)
+
+
 def _transforms(rotations: dict, dtype: torch.dtype, keys: Optional[dict] = None) -> tuple[dict, dict]:
     config, tensors = transform_config(rotations, dtype, keys)
     return {"transform_config": config}, tensors
@@ -43,7 +54,7 @@ def _transforms(rotations: dict, dtype: torch.dtype, keys: Optional[dict] = None
 
 FORMAT = register(CheckpointFormat(
     name=NAME, quant_method=QUANT_METHOD, aliases=("compressed_tensors", PACK_FORMAT, "ct"),
-    quantization_config=quantization_config, detects=detects, parse=_parse, transforms=_transforms,
+    quantization_config=quantization_config, detects=detects, parse=_parse, transforms=_transforms, check=_check,
     kv=KVScales(names=kv_names, export=kv_export, shapes=kv_shapes),
     serving_dtype=torch.bfloat16, detection=f"quant_method {QUANT_METHOD!r}"))
 

@@ -46,6 +46,8 @@ def scheme_args(s: ModuleScheme) -> tuple[dict, Optional[dict]]:
 
 
 def kv_cache_scheme(kv: str) -> dict:
+    if kv == "nvfp4":  # NVFP4 K / V: E4M3 scales per 16 computed at run time, one stored scale per layer
+        return ct_args(4, "tensor_group", group_size=16, dynamic="local")
     return ct_args(8, "tensor" if kv == "tensor" else "attn_head")
 
 
@@ -99,7 +101,7 @@ def kv_export(t: torch.Tensor, per_head: bool) -> torch.Tensor:
 
 
 def kv_shapes(kv: str, heads: int) -> tuple:
-    return ((1,), ()) if kv == "tensor" else ((heads, 1, 1), (heads,))
+    return ((1,), ()) if kv in ("tensor", "nvfp4") else ((heads, 1, 1), (heads,))
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -225,6 +227,15 @@ def _kv(v) -> Optional[str]:
         return None
     args = schema.obj(v, key, optional=True)
     _known(args, ARGS_FIELDS, key)
+    if args.get("num_bits") == 4:
+        bad = _bad(args, {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                          "dynamic": "local"})
+        if args.get("symmetric", True) is not True:
+            bad["symmetric"] = args.get("symmetric")
+        if bad:
+            raise ConfigError(f"{key}: {schema.short(bad, 200)} is not an NVFP4 KV cache blockscale loads (num_bits 4, "
+                              "type float, symmetric, strategy tensor_group, group_size 16, dynamic local)")
+        return "nvfp4"
     bad = _common_bad(args, 8)
     if args.get("dynamic") is not False:
         bad["dynamic"] = args.get("dynamic")

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..nn.kv_cache import attention_modules
+from ..nn.kv_cache import attention_modules, kv_format
 from .codecs import codec_for, refusal
 from .module_checks import kv_granularity
 from .registry import CheckpointFormat
@@ -61,12 +61,12 @@ def _check_scales(quantized: dict, schemes: dict) -> None:
 
 
 def _check_kv(model: nn.Module, kv: dict) -> Optional[str]:
-    g = kv_granularity(kv)
+    g = kv_granularity(kv, {n: kv_format(model.get_submodule(n)) for n in kv})
     if kv:
         attn = set(attention_modules(model))
         other, missing = sorted(set(kv) - attn), sorted(attn - set(kv))
         if other or missing:
-            raise ValueError(f"FP8 KV-cache scales must be set on every attention module and only there (the "
+            raise ValueError(f"KV-cache scales must be set on every attention module and only there (the "
                              f"checkpoint's KV-cache scheme covers all of them): "
                              f"{f'not attention modules: {other[:3]}' if other else f'missing on: {missing[:3]}'}")
     return g
@@ -104,7 +104,8 @@ def blockscale_meta(p: ExportPlan, quantized: dict) -> dict:
         if mods:
             meta.update(kind.meta(mods))
     if p.kv_granularity:
-        meta["kv_cache"] = {"format": KV_FORMAT, "per_head": p.kv_granularity == "head"}
+        meta["kv_cache"] = {"format": "nvfp4" if p.kv_granularity == "nvfp4" else KV_FORMAT,
+                            "per_head": p.kv_granularity == "head"}
     return meta
 
 

@@ -229,7 +229,8 @@ def _fill(model: nn.Module, plan: Plan, shards: Shards, fmt: CheckpointFormat, d
         for key, (attn, which, _) in plan.kv.items():
             kv.setdefault(attn, {})[which] = shards.get(key).to(torch.float32).reshape(-1)
     for attn, d in kv.items():
-        set_kv_scales(model.get_submodule(attn), d["k_scale"], d["v_scale"])
+        set_kv_scales(model.get_submodule(attn), d["k_scale"], d["v_scale"],
+                      "nvfp4" if plan.kv_granularity == "nvfp4" else "fp8-e4m3")
     for name, (group, _, _) in plan.rotations.items():  # online rotations (compressed-tensors transform_config)
         attach = attach_key_rotation if group.location == "attention" else attach_input_rotation
         attach(model.get_submodule(plan.memory(name)), plan.rotation_of(shards, name), group.name)

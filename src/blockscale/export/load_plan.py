@@ -249,7 +249,8 @@ def _describe(plan: Plan) -> str:
         w4a4 = any(q.scheme.inputs for q in plan.quantized.values())
         return f"{'W4A4' if w4a4 else 'W4A16'}, {len(plan.quantized)} {next(iter(kinds)).noun} Linears"
     names = sorted({q.scheme.name for q in plan.quantized.values()})
-    kv = f", FP8 KV-cache scales per {'layer' if plan.kv_granularity == 'tensor' else 'head'}" if plan.kv else ""
+    kv = ", NVFP4 KV-cache scales per layer" if plan.kv_granularity == "nvfp4" else \
+        f", FP8 KV-cache scales per {'layer' if plan.kv_granularity == 'tensor' else 'head'}" if plan.kv else ""
     return f"{' + '.join(names)}, {len(plan.quantized)} quantized Linears{kv}"
 
 

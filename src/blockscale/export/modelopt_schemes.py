@@ -25,6 +25,7 @@ from .scheme_types import ModuleScheme
 HF_QUANT_CONFIG = "hf_quant_config.json"
 QUANT_METHOD = "modelopt"
 MIXED_ALGO, KV_ALGO = "MIXED_PRECISION", "FP8"
+KV_ALGOS = {"tensor": "FP8", "nvfp4": "NVFP4"}  # kv kind -> kv_cache_quant_algo (ModelOpt >= 0.42: both amax / 448)
 NOT_IN_MIXED = ("FP8_PER_CHANNEL_PER_TOKEN",)
 KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 GROUP_SIZE, MX_BLOCK = 16, 32
@@ -81,7 +82,7 @@ def _single(schemes: dict) -> Optional[str]:
 
 def hf_quant_config(schemes: dict, exclude: list, producer: dict, kv: Optional[str]) -> dict:
     algo = _single(schemes)
-    q = {"quant_algo": algo or MIXED_ALGO, "kv_cache_quant_algo": KV_ALGO if kv else None}
+    q = {"quant_algo": algo or MIXED_ALGO, "kv_cache_quant_algo": KV_ALGOS.get(kv) if kv else None}
     if algo is None:
         q["quantized_layers"] = {n: layer_entry(a) for n, a in sorted(_algos(schemes).items())}
     elif algo in NVFP4_ALGOS:
@@ -107,8 +108,8 @@ def quantization_config(schemes: dict, exclude: list, producer: dict, blockscale
     if algo in NVFP4_ALGOS:
         out["group_size"] = GROUP_SIZE
     if kv:
-        out["kv_cache_quant_algo"] = KV_ALGO
-        out["kv_cache_scheme"] = dict(KV_SCHEME)
+        out["kv_cache_quant_algo"] = KV_ALGOS[kv]
+        out["kv_cache_scheme"] = "NVFP4" if kv == "nvfp4" else dict(KV_SCHEME)  # (ModelOpt: the bare string)
     out.update({"producer": dict(producer), "quant_method": QUANT_METHOD, "blockscale": blockscale})
     return out
 
@@ -162,22 +163,25 @@ def _layers(v, key: str, file: str) -> dict[str, str]:
     return out
 
 
-def _kv_algo(v, key: str, file: str) -> bool:
+def _kv_algo(v, key: str, file: str) -> Optional[str]:
+    """None (no KV cache), "tensor" (FP8) or "nvfp4"."""
     if v is None:
-        return False
-    if isinstance(v, str) and v.upper() == KV_ALGO:
-        return True
-    raise ConfigError(f"{key} {schema.short(v)}: blockscale loads FP8 KV-cache scales only ('FP8')", file)
+        return None
+    kinds = {a: k for k, a in KV_ALGOS.items()}
+    if isinstance(v, str) and v.upper() in kinds:
+        return kinds[v.upper()]
+    raise ConfigError(f"{key} {schema.short(v)}: blockscale loads FP8 and NVFP4 KV-cache scales ('FP8', 'NVFP4')",
+                      file)
 
 
-def _kv_scheme(v, key: str, file: str) -> bool:
+def _kv_scheme(v, key: str, file: str) -> Optional[str]:
     if v is None:
-        return False
+        return None
     if isinstance(v, str):
         return _kv_algo(v, key, file)
     args = schema.obj(v, key, file=file)
     if args.get("num_bits") == 8 and args.get("type") == "float" and args.get("dynamic", False) is False:
-        return True
+        return "tensor"
     raise ConfigError(f"{key} {schema.short(v)}: blockscale loads FP8 KV-cache scales only (num_bits 8, type float, "
                       "dynamic false)", file)
 
@@ -212,7 +216,7 @@ def parse(inline: Optional[dict], side: Mapping[str, dict]) -> ParsedConfig:
         if i_algo is not None and i_algo != algo:
             raise ConfigError(f"{where}.quant_algo {schema.short(algo)} is not supported together with {cfg} "
                               f"{_QC}.quant_algo {i_algo!r}: the two files must agree", f)
-        if inline is not None and bool(i_kv) != kv:
+        if inline is not None and i_kv != kv:
             raise ConfigError(f"{where}.kv_cache_quant_algo {schema.short(q.get('kv_cache_quant_algo'))} disagrees "
                               f"with {cfg} {_QC} (KV-cache scales {'present' if i_kv else 'absent'})", f)
         if i_layers is not None and i_layers != layers:
@@ -232,7 +236,7 @@ def parse(inline: Optional[dict], side: Mapping[str, dict]) -> ParsedConfig:
             return None if a is None else ALGOS[a]
         return ALGOS[algo]
 
-    return ParsedConfig(scheme_of=scheme_of, kv="tensor" if kv else None)
+    return ParsedConfig(scheme_of=scheme_of, kv=kv)
 
 
 __all__ = ["check", "hf_quant_config", "kv_export", "kv_names", "kv_shapes", "layer_entry", "parse",

@@ -100,9 +100,14 @@ def kv_modules(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
     return out
 
 
-def kv_granularity(kv: dict) -> Optional[str]:
-    """None (no KV scales), "tensor" ([1] per layer) or "head" ([H_kv] per head); ValueError for bad
-    or mixed granularities."""
+def kv_granularity(kv: dict, formats: Optional[dict] = None) -> Optional[str]:
+    """None (no KV scales), "tensor" (FP8, [1] per layer), "head" (FP8, [H_kv] per head) or "nvfp4" (NVFP4, [1] per
+    layer; ``formats``: {attention module: ``nn.kv_cache.kv_format``}); ValueError for bad or mixed granularities
+    or formats."""
+    fmts = {n: (formats or {}).get(n) or "fp8-e4m3" for n in kv}
+    if len(set(fmts.values())) > 1:
+        raise ValueError("the KV cache is NVFP4 in some attention modules and FP8 in others; a checkpoint holds one "
+                         "KV-cache format")
     kinds = set()
     for name, pair in kv.items():
         for which, t in zip(("k_scale", "v_scale"), pair):
@@ -113,6 +118,10 @@ def kv_granularity(kv: dict) -> Optional[str]:
     if len(kinds) > 1:
         raise ValueError("KV-cache scales are per layer in some attention modules and per head in others; a "
                          "checkpoint holds one granularity")
+    if kinds and "nvfp4" in fmts.values():
+        if kinds != {"tensor"}:
+            raise ValueError("an NVFP4 KV cache has one k_scale / v_scale per layer ([1])")
+        return "nvfp4"
     return kinds.pop() if kinds else None
 
 

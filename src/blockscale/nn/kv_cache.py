@@ -1,4 +1,4 @@
-"""FP8 (E4M3) KV cache for transformers attention modules: calibrated scales, fake quantization, amax
+"""FP8 (E4M3) and NVFP4 KV caches for transformers attention modules: calibrated scales, fake quantization, amax
 observation.
 
 An attention module ``attn`` (one with ``k_proj`` / ``v_proj`` children and a ``layer_idx``, as
@@ -9,7 +9,9 @@ module) replaces that kwarg with a small cache object whose ``update``
 
     1. records K / V amaxes for every active ``KVAmaxObserver`` (the unquantized post-RoPE values),
     2. fake-quantizes them when the module has scales:  K^ = E4M3_RNE(clamp(K / s_k, -448, 448)) * s_k
-       (and V with s_v), s per layer ([1]) or per KV head ([H_kv]),
+       (and V with s_v), s per layer ([1]) or per KV head ([H_kv]); an NVFP4 cache (``set_kv_scales(format=
+       "nvfp4")``, per layer) quantizes K to NVFP4 with outer encode scale 1 / s_k and an E4M3 scale per 16
+       along head_dim (``nvfp4_kv_fake_quantize``),
     3. forwards K^ / V^ to the real cache's ``update`` if there was one (generation: the cache stores
        K^ / V^) and returns what it returns, else returns (K^, V^) (calibration / evaluation).
 
@@ -33,10 +35,14 @@ from torch import nn
 
 from ..errors import UsageError
 from ..quant.fp8 import FP8_MAX, dequantize_values, encode_with_scale, scale_from_amax
+from ..quant.nvfp4 import BLOCK as NVFP4_BLOCK
+from ..quant.nvfp4 import NVFP4, quantize_nvfp4
 
 #: the forward kwarg names of transformers attention modules' cache, newest first
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 KV_ELEMENT = "e4m3"
+KV_FORMATS = ("fp8-e4m3", "nvfp4")  # what ``set_kv_scales(format=...)`` takes (recipes' kv_cache.format)
+_FORMAT = "_blockscale_kv_format"
 _HOOKED = "_blockscale_kv_cache_kwarg"   # set once the pre-hook is installed: the cache kwarg's name
 _OBSERVERS = "_blockscale_kv_observers"  # active (observer, name) pairs of a module
 
@@ -69,6 +75,35 @@ class _FP8KVFakeQuantize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _NVFP4KVFakeQuantize(torch.autograd.Function):
+    """Forward: NVFP4 fake quantization with outer encode scale 1 / s; backward: straight through."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        S = 1.0 / scale.detach().to(device=t.device, dtype=torch.float32).reshape(1)
+        return quantize_nvfp4(t.to(torch.float32), NVFP4(), outputs="values", encode_scale=S).to(t.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def nvfp4_kv_fake_quantize(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The engines' NVFP4 KV cache (TensorRT-LLM, vLLM, FlashInfer; docs/formats.md): with the per-layer scale
+    s = amax / 448 (one element), outer encode scale S = 1 / s (FP32), per 16 values along the last dim (head_dim)
+    the block scale e4m3(min(block_amax * (S / 6), 448)), codes E2M1_RNE(clamp(x * e, -6, 6)), x^ = q * b * (1/S)
+    (``quant.nvfp4`` with ``encode_scale=S``). Backward straight through, as ``fp8_kv_fake_quantize``."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise UsageError(f"t must be a floating torch.Tensor, got {type(t).__name__}")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise UsageError("the NVFP4 KV cache takes one scale per layer (a one-element tensor), got "
+                         f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    if t.shape[-1] % NVFP4_BLOCK:
+        raise UsageError(f"the NVFP4 KV cache quantizes blocks of {NVFP4_BLOCK} along head_dim; head_dim "
+                         f"{t.shape[-1]} is not a multiple")
+    return _NVFP4KVFakeQuantize.apply(t, scale)
 
 
 def fp8_kv_fake_quantize(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -136,17 +171,28 @@ def _install_hook(attn: nn.Module) -> None:
     setattr(attn, _HOOKED, kwarg)
 
 
-def set_kv_scales(attn: nn.Module, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+def set_kv_scales(attn: nn.Module, k_scale: torch.Tensor, v_scale: torch.Tensor, format: str = "fp8-e4m3") -> None:
     """Register (or overwrite) FP32 buffers ``attn.k_scale`` / ``attn.v_scale`` ([1] per layer or
-    [H_kv] per KV head, both the same shape) and install the fake-quant hook (once)."""
+    [H_kv] per KV head, both the same shape; "nvfp4": [1]) and install the fake-quant hook (once). ``format``:
+    the cache's element format (``KV_FORMATS``), s = amax / 448 for both."""
+    if format not in KV_FORMATS:
+        raise UsageError(f"KV cache format={format!r}; allowed: {', '.join(KV_FORMATS)}")
     k = _check_scale(attn, "k_scale", k_scale)
     v = _check_scale(attn, "v_scale", v_scale)
     if k.shape != v.shape:
         raise UsageError(f"k_scale has shape {tuple(k.shape)} but v_scale {tuple(v.shape)}: use one granularity "
                          "(per layer [1] or per KV head [H_kv]) for both")
+    if format == "nvfp4":
+        hd = getattr(attn, "head_dim", None)
+        if k.numel() != 1:
+            raise UsageError(f"an NVFP4 KV cache takes one k_scale / v_scale per layer ([1]), got {tuple(k.shape)}")
+        if isinstance(hd, int) and hd % NVFP4_BLOCK:
+            raise UsageError(f"an NVFP4 KV cache quantizes blocks of {NVFP4_BLOCK} along head_dim; this attention's "
+                             f"head_dim is {hd}")
     _install_hook(attn)
     attn.register_buffer("k_scale", k)
     attn.register_buffer("v_scale", v)
+    setattr(attn, _FORMAT, format)
 
 
 def kv_scales(attn: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -155,11 +201,17 @@ def kv_scales(attn: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     return None if k is None or v is None else (k, v)
 
 
+def kv_format(attn: nn.Module) -> Optional[str]:
+    """The KV cache's element format of an attention module ("fp8-e4m3" / "nvfp4"), or None without scales."""
+    return attn.__dict__.get(_FORMAT, "fp8-e4m3") if kv_scales(attn) is not None else None
+
+
 def remove_kv_quantization(attn: nn.Module) -> None:
     """Drop ``attn.k_scale`` / ``attn.v_scale``: the module computes full-precision K/V again (the
     installed hook stays, as a pass-through)."""
     for name in ("k_scale", "v_scale"):
         attn._buffers.pop(name, None)
+    attn.__dict__.pop(_FORMAT, None)
 
 
 # -- the hook -----------------------------------------------------------------------------------
@@ -194,8 +246,9 @@ def _process(attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.T
         observer.record(name, kr, v)
     scales = kv_scales(attn)
     if scales is not None:
-        kq = fp8_kv_fake_quantize(kr, scales[0])
-        k, v = (rot.unapply(kq) if rot is not None else kq), fp8_kv_fake_quantize(v, scales[1])
+        fq = nvfp4_kv_fake_quantize if kv_format(attn) == "nvfp4" else fp8_kv_fake_quantize
+        kq = fq(kr, scales[0])
+        k, v = (rot.unapply(kq) if rot is not None else kq), fq(v, scales[1])
     return k, v
 
 
@@ -298,5 +351,5 @@ def observe_kv(attn_modules: dict, per_head: bool = False) -> KVAmaxObserver:
 KV_MAX = FP8_MAX[KV_ELEMENT]
 
 __all__ = ["CACHE_KWARGS", "KVAmaxObserver", "KV_MAX", "attach_key_rotation", "attention_modules",
-           "fp8_kv_fake_quantize", "key_rotation", "key_rotations", "kv_scale_from_amax", "kv_scales", "observe_kv",
-           "remove_kv_quantization", "set_kv_scales"]
+           "fp8_kv_fake_quantize", "key_rotation", "key_rotations", "KV_FORMATS", "kv_format", "kv_scale_from_amax",
+           "kv_scales", "nvfp4_kv_fake_quantize", "observe_kv", "remove_kv_quantization", "set_kv_scales"]

@@ -22,7 +22,8 @@ def check_recipe_exportable(recipe, format: str) -> None:
     schemes = {w: ModuleScheme(*s.stored) for w, s in where.items() if not s.is_high_precision}
     if not schemes:
         return
-    kv = None if recipe.kv_cache is None else ("head" if recipe.kv_cache.per_head else "tensor")
+    kv = None if recipe.kv_cache is None else "nvfp4" if recipe.kv_cache.format == "nvfp4" else \
+        "head" if recipe.kv_cache.per_head else "tensor"
     try:
         check_stores(fmt, schemes, kv)
     except ValueError as e:

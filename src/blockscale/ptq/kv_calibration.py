@@ -31,7 +31,7 @@ def check_kv_layers(layers: nn.ModuleList, prefix: str) -> None:
 
 
 def calibrate_kv(layer: nn.Module, lprefix: str, inputs, device, per_head: bool,
-                 reduce=None) -> tuple[dict, list[str]]:
+                 reduce=None, format: str = "fp8-e4m3") -> tuple[dict, list[str]]:
     """Observe the layer's post-RoPE K / V on ``inputs`` and attach the scales. Returns (report
     entries {attn name: {"k_amax", "v_amax", "k_scale", "v_scale"} as lists}, warnings). ``reduce``:
     ``reduce(amax, names)`` of the observed {name: (k_amax, v_amax)} before the scales are made (data-parallel
@@ -49,7 +49,7 @@ def calibrate_kv(layer: nn.Module, lprefix: str, inputs, device, per_head: bool,
         else:
             k_amax, v_amax = amax[name]
         k_scale, v_scale = kv_scale_from_amax(k_amax), kv_scale_from_amax(v_amax)
-        set_kv_scales(attn, k_scale, v_scale)
+        set_kv_scales(attn, k_scale, v_scale, format)
         entries[name] = {"k_amax": k_amax.tolist(), "v_amax": v_amax.tolist(),
                          "k_scale": k_scale.tolist(), "v_scale": v_scale.tolist()}
     return entries, notes

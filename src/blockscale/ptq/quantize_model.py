@@ -403,7 +403,7 @@ def quantize_layer(run: LayerPass, i: int, inputs, advance=run_layer):
                          config.expert_outer_scale)
     if recipe.kv_cache is not None and inputs is not None:
         entries, kv_notes = calibrate_kv(layer, f"{prefix}.{i}", inputs, device, recipe.kv_cache.per_head,
-                                         reduce=run.ranks.kv_amax)
+                                         reduce=run.ranks.kv_amax, format=recipe.kv_cache.format)
         report.kv_cache.update(entries)
         report.warnings.extend(kv_notes)
     if inputs is not None and i + 1 < len(run.layers):

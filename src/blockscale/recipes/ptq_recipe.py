@@ -32,7 +32,7 @@ from .recipe import DEFAULT_EXCLUDE
 
 SCHEME_NAMES = RECIPE_SCHEME_NAMES  # the rows of quant.schemes.SCHEME_TABLE a recipe may name
 MODULE_CLASSES = ("attention", "mlp", "experts", "shared_experts", "router")
-KV_CACHE_FORMATS = ("fp8-e4m3",)
+KV_CACHE_FORMATS = ("fp8-e4m3", "nvfp4")
 
 # scheme -> {option: allowed values, the first being the default}: the table's rows
 SCHEME_OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {n: dict(scheme_row(n).options) for n in SCHEME_NAMES}
@@ -254,8 +254,9 @@ class PTQRule:
 
 @dataclass(frozen=True)
 class KVCacheScheme:
-    """FP8 KV cache: K and V (after RoPE) fake-quantized to E4M3 with calibrated scales s = amax / 448,
-    one per layer (or one per KV head with ``per_head``)."""
+    """KV cache: K and V (after RoPE) fake-quantized with calibrated scales s = amax / 448: "fp8-e4m3" (E4M3 of
+    x / s), one per layer (or one per KV head with ``per_head``), or "nvfp4" (E2M1 with an E4M3 scale per 16 along
+    head_dim, outer encode scale 1 / s: the engines' NVFP4 KV cache, docs/formats.md), one per layer."""
 
     format: str = "fp8-e4m3"
     per_head: bool = False
@@ -266,6 +267,9 @@ class KVCacheScheme:
                              f"{', '.join(map(repr, KV_CACHE_FORMATS))}")
         if not isinstance(self.per_head, bool):
             raise UsageError(f"kv_cache per_head={self.per_head!r}: expected true or false")
+        if self.format == "nvfp4" and self.per_head:
+            raise UsageError("kv_cache per_head=true with format 'nvfp4': the engines' NVFP4 KV cache takes one "
+                             "scale per layer (per_head: false)")
 
     @property
     def label(self) -> str:
