@@ -18,6 +18,7 @@ from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_
 from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats,
                      is_ptq_recipe_file, local_path, parse_dtype, resolve_ptq_recipe, resolve_recipe, setup,
                      show_progress)
+from .auto_recipe import add_auto_recipe_flags, auto_recipe_config, run_auto_recipe, write_auto_recipe
 from .learn_scales_defaults import DEFAULT_LR_WEIGHTS_BLOCK
 from .reporting import ArgumentParser, run_reported
 from .quantize import (add_method_flags, method_names, method_options, no_tokenizer_error, quantize_reported,
@@ -184,6 +185,7 @@ def _cmd_quantize(args) -> int:
     from ..ptq.pipeline import default_texts
 
     src = _check_quantize(args)
+    auto = auto_recipe_config(args)  # None without --auto-recipe
     recipe = _quantize_recipe(args)
     defaults = default_texts(args.model)
     cfg = _quantize_config(args, recipe)
@@ -194,12 +196,18 @@ def _cmd_quantize(args) -> int:
         print(args.streaming_note, flush=True)
     print(f"loading {args.model} ...", flush=True)
     lm = load_model(args.model, dtype=parse_dtype(args.dtype))
+    if auto is not None:  # the recipe from calibration sensitivities, then PTQ with it
+        auto = run_auto_recipe(args, lm, defaults, auto)
+        recipe = auto.recipe
+        cfg = _quantize_config(args, recipe)
     if cfg.needs_calibration and lm.tokenizer is None:
         raise no_tokenizer_error(args, cfg, recipe)
     evaluation = _quantize_evaluation(args, defaults)
 
     def quantize(run):  # warnings about skipped Linears folded into one line; then the --ctx check of --eval
         report = quantize_reported(f"{PROG} quantize", run, defaulted=args.skip_indivisible is None)
+        if auto is not None:
+            report.config["auto_recipe"] = auto.to_dict()  # (into ptq_report.json)
         if evaluation is not None and is_main_rank():
             check_eval_ctx(f"{PROG} quantize", lm.model, evaluation.ctx, args.ctx is not None)
         return report
@@ -211,6 +219,8 @@ def _cmd_quantize(args) -> int:
     if not result.main_rank:  # torchrun: rank 0 alone evaluates, writes and reports (cli.ranks)
         return 0
     _print_quantized(args, cfg, recipe, result.report, result.path)
+    if auto is not None:
+        print(f"wrote the auto recipe to {write_auto_recipe(result.path, auto)} (reuse: --recipe FILE)")
     return 0
 
 
@@ -351,6 +361,7 @@ def _add_quantize(sub) -> None:
     q.add_argument("--max-shard-size", default="2GB")
     q.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out directory if it is a blockscale checkpoint")
+    add_auto_recipe_flags(q)  # --auto-recipe, --effective-bits, --candidates, --auto-estimator, --auto-cost
     add_streaming_flags(q)  # --streaming, --resume, --offload-activations
     add_method_flags(q)  # --awq-grid, --sq-alpha, --gptq-damp, ...: from the methods' options dataclasses
     add_common(q)

@@ -39,6 +39,8 @@ def why_not_streamed(args) -> Optional[str]:
         return "--eval measures perplexity on the whole model"
     if getattr(args, "rotate", "none") not in (None, "none"):
         return f"--rotate {args.rotate} rotates the whole model before PTQ"
+    if getattr(args, "auto_recipe", False):
+        return "--auto-recipe measures sensitivities with backward passes through the whole model"
     if env_world()[1] > 1:
         return "under torchrun the ranks calibrate data-parallel on the whole model"
     model = str(args.model)
