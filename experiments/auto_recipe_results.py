@@ -15,7 +15,6 @@ minutes. Gap closed = (ppl_uniform - ppl) / (ppl_uniform - ppl_fp), uniform bein
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import random
@@ -26,28 +25,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery_results import MODELS, TEXT_OVERRIDES, Results, _ppl  # noqa: E402
+from recovery_results import MODELS, Results, _ppl  # noqa: E402
+from rotation_results import _model  # noqa: E402  (spec, model, texts: moe-3m's own path and texts)
 
 from blockscale.data.text_sources import calibration_batches  # noqa: E402
-from blockscale.models.hf import load_model  # noqa: E402
 from blockscale.ptq import PTQConfig  # noqa: E402
 from blockscale.ptq.auto_recipe import AutoRecipeConfig, auto_recipe, build_recipe, solve  # noqa: E402
 from blockscale.ptq.auto_recipe.costs import cost_table, effective_bits, unit_weights  # noqa: E402
-from blockscale.ptq.pipeline import calibrate_and_quantize, default_texts  # noqa: E402
+from blockscale.ptq.pipeline import calibrate_and_quantize  # noqa: E402
 from blockscale.recipes import get_ptq_recipe  # noqa: E402
 from blockscale.recipes.ptq_recipe import PTQRecipe, Scheme  # noqa: E402
 from blockscale.recipes.recipe import DEFAULT_EXCLUDE  # noqa: E402
 
 BUDGETS = (5.0, 6.0, 8.5, 4.55)  # 5.0 first: the goal; 4.55: just above uniform NVFP4 (4.5 + outer scales)
 HAND = "nvfp4-experts-fp8-attention"  # the built-in hand recipe (its FP8 KV cache left out: weights only)
-
-
-def _model(name: str):
-    spec = MODELS[name]
-    lm = load_model(spec.get("path", name))
-    d = default_texts(spec.get("path", name))
-    d = dataclasses.replace(d, **{k: spec[k] for k in TEXT_OVERRIDES if k in spec})
-    return spec, lm, d
 
 
 def _random_choice(costs, budget, seed):
