@@ -27,7 +27,7 @@ from blockscale.recipes.ptq_serialize import ptq_recipe_from_dict, ptq_recipe_to
 
 transformers = pytest.importorskip("transformers")
 from cli_runs import run_cli  # noqa: E402
-from tiny_models import checkpoint_tensors, tiny_hf_llama, token_ids  # noqa: E402
+from tiny_models import byte_llama_dir, checkpoint_tensors, tiny_hf_llama, token_ids  # noqa: E402
 from tiny_moe import E, tiny_moe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -320,15 +320,7 @@ def test_bad_arguments_are_usage_errors_naming_them():
 
 @pytest.fixture
 def byte_model(tmp_path):
-    from blockscale.models.hf_moe_export import byte_transformers_tokenizer
-
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
-    byte_transformers_tokenizer().save_pretrained(tmp_path / "src")
-    (tmp_path / "cal.txt").write_text("Once upon a time there was a little robot who loved to count the stars. " * 20)
-    return tmp_path / "src"
+    return byte_llama_dir(tmp_path)
 
 
 @pytest.mark.parametrize("argv,line", [

@@ -93,3 +93,19 @@ def tiny_family(family: str, n_kv: int = 4, seed: int = 0):
             if name.endswith("bias"):  # Qwen2's q/k/v biases
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     return model
+
+
+def byte_llama_dir(tmp_path):
+    """A saved tiny 2-layer Llama with the byte-level tokenizer (``tmp_path / "src"``) and a calibration text file
+    ``tmp_path / "cal.txt"``: what ``blockscale quantize`` tests start from."""
+    import transformers
+
+    from blockscale.models.hf_moe_export import byte_transformers_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    byte_transformers_tokenizer().save_pretrained(tmp_path / "src")
+    (tmp_path / "cal.txt").write_text("Once upon a time there was a little robot who loved to count the stars. " * 20)
+    return tmp_path / "src"

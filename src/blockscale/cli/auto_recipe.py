@@ -1,5 +1,5 @@
 """``blockscale quantize MODEL --auto-recipe --effective-bits B [--candidates a,b,c] [--auto-estimator fisher|output]
-[--auto-cost total|active]``: a PTQ recipe chosen per unit under a bits budget (``ptq.auto_recipe``), on the
+[--auto-cost total|active] [--kv-cache-bits B [--kv-candidates a,b]]``: a PTQ recipe chosen per unit under a bits budget (``ptq.auto_recipe``), on the
 calibration windows the quantize run then uses (--calib / --n-samples / --seq-len / --seed / --calib-bos); the
 report table is printed, the recipe written to ``OUT/auto_recipe.yaml`` (``--recipe`` reads it back) and into
 ``ptq_report.json`` (``ptq.config.auto_recipe``), and PTQ runs with it (--method, --scale-rule: the scale rule /
@@ -16,7 +16,8 @@ from .checks import number
 
 AUTO_RECIPE_FILE = "auto_recipe.yaml"
 _AUTO_ONLY = (("candidates", "--candidates"), ("auto_estimator", "--auto-estimator"), ("auto_cost", "--auto-cost"),
-              ("effective_bits", "--effective-bits"))
+              ("effective_bits", "--effective-bits"), ("kv_cache_bits", "--kv-cache-bits"),
+              ("kv_candidates", "--kv-candidates"))
 
 
 def add_auto_recipe_flags(q) -> None:
@@ -36,6 +37,11 @@ def add_auto_recipe_flags(q) -> None:
     g.add_argument("--auto-cost", choices=("total", "active"),
                    help="with --auto-recipe: count every parameter (default) or those an average token uses "
                         "(routed experts by their routing frequency)")
+    number(g, "--kv-cache-bits", float, lo=0, lo_open=True, hi=64, metavar="B",
+           help="with --auto-recipe: also choose the KV cache (bf16 16, fp8-e4m3 8 or nvfp4 4.5 bits per cached "
+                "element), the one of least score within B bits per element")
+    g.add_argument("--kv-candidates", metavar="A,B",
+                   help="with --kv-cache-bits: the KV caches to choose from (default: bf16,fp8-e4m3,nvfp4)")
 
 
 def auto_recipe_config(args):
@@ -55,6 +61,8 @@ def auto_recipe_config(args):
     if args.recipe is not None:
         raise UsageError("--auto-recipe cannot be combined with --recipe: it writes the recipe (give --recipe "
                          f"OUT/{AUTO_RECIPE_FILE} to reuse one)")
+    if args.kv_candidates is not None and args.kv_cache_bits is None:
+        raise UsageError("--kv-candidates needs --kv-cache-bits B (the KV cache's budget, bits per cached element)")
     for flag in ("w4a4", "weights_only"):
         if getattr(args, flag):
             raise UsageError(f"--{flag.replace('_', '-')} cannot be combined with --auto-recipe: the candidates set "
@@ -63,9 +71,11 @@ def auto_recipe_config(args):
         config = AutoRecipeConfig(effective_bits=args.effective_bits, candidates=args.candidates,
                                   estimator=args.auto_estimator or "fisher", cost=args.auto_cost or "total",
                                   n_samples=args.n_samples, seq_len=args.seq_len, batch_size=args.batch_size,
-                                  seed=args.seed, ignore=_ignore(args))
+                                  seed=args.seed, ignore=_ignore(args), kv_cache_bits=args.kv_cache_bits,
+                                  kv_candidates=args.kv_candidates)
     except UsageError as e:
-        flag = "--candidates" if str(e).startswith("candidates") else "--auto-recipe"
+        flag = next((f for p, f in (("candidates", "--candidates"), ("kv_candidates", "--kv-candidates"),
+                                    ("kv_cache_bits", "--kv-cache-bits")) if str(e).startswith(p)), "--auto-recipe")
         raise UsageError(f"{flag}: {e}") from None
     for key in ("scale_rule", "error", "act_scale_rule"):  # set on the NVFP4 candidates (as with --recipe)
         value = getattr(args, key)

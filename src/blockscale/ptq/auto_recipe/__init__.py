@@ -30,6 +30,7 @@ from ...recipes.ptq_serialize import ptq_recipe_to_dict, save_ptq_recipe
 from ...recipes.recipe import DEFAULT_EXCLUDE
 from ..export_check import check_recipe_exportable
 from ..preflight import vocab_size
+from .kv_cache import KV_BITS, KV_CANDIDATES, KVChoice, KVTap, choose_kv, kv_candidates, kv_choice, kv_why_not
 from .costs import COSTS, bits_per_weight, cost_table, effective_bits, unit_bits, unit_weights
 from .report import ReportRow, table
 from .sensitivity import ESTIMATORS, Sensitivity, measure
@@ -77,6 +78,10 @@ class AutoRecipeConfig:
       the passes (and of the command line's calibration windows).
     ignore: regexes (``re.search`` on full module names) kept in high precision and out of the budget, as a
       recipe's ``ignore`` (it becomes the recipe's). name: the recipe's name.
+    kv_cache_bits: None (default: no KV cache in the recipe) or the KV cache's budget in bits per cached element:
+      the recipe's ``kv_cache`` is then the KV candidate of least score within it (``kv_cache``: bf16 16, FP8 8,
+      NVFP4 4.5 bits), scored by the same estimator in the same passes. kv_candidates: the KV candidates
+      (names of ``kv_cache.KV_CANDIDATES``, a list or comma-separated; default all), only with kv_cache_bits.
     """
 
     effective_bits: float
@@ -89,6 +94,8 @@ class AutoRecipeConfig:
     seed: int = 0
     ignore: tuple = DEFAULT_EXCLUDE
     name: str = "auto"
+    kv_cache_bits: Optional[float] = None
+    kv_candidates: Optional[tuple] = None
 
     def __post_init__(self):
         b = self.effective_bits
@@ -109,6 +116,16 @@ class AutoRecipeConfig:
         object.__setattr__(self, "ignore", check_regexes(self.ignore, "ignore"))
         if not isinstance(self.name, str) or not self.name.strip():
             raise UsageError(f"name={self.name!r}: expected a non-empty string")
+        kb = self.kv_cache_bits
+        if kb is None:
+            if self.kv_candidates is not None:
+                raise UsageError("kv_candidates needs kv_cache_bits (the KV cache's budget, bits per cached element)")
+        else:
+            if isinstance(kb, bool) or not isinstance(kb, (int, float)) or not math.isfinite(kb) or kb <= 0:
+                raise UsageError(f"kv_cache_bits={kb!r}: expected a finite number of bits per cached element > 0 "
+                                 f"(bf16 {KV_BITS['bf16']:g}, FP8 {KV_BITS['fp8-e4m3']:g}, NVFP4 {KV_BITS['nvfp4']:g})")
+            object.__setattr__(self, "kv_cache_bits", float(kb))
+            object.__setattr__(self, "kv_candidates", kv_candidates(self.kv_candidates))
 
     @staticmethod
     def _candidates(value) -> tuple[Scheme, ...]:
@@ -144,7 +161,7 @@ class AutoRecipeResult:
     """``recipe``: the chosen PTQRecipe; ``report``: one ``ReportRow`` per unit; ``effective_bits``: achieved,
     as ``config.cost`` counts; ``total_bits`` / ``active_bits``: the same assignment counted over all / the active
     parameters; ``objective``: the summed score; ``notes``: remarks (e.g. a budget that does not bind);
-    ``units`` and ``sensitivity``: what they came from."""
+    ``units`` and ``sensitivity``: what they came from; ``kv``: the KV cache choice (with ``kv_cache_bits``)."""
 
     config: AutoRecipeConfig
     recipe: PTQRecipe
@@ -156,13 +173,15 @@ class AutoRecipeResult:
     notes: tuple[str, ...]
     units: tuple[Unit, ...]
     sensitivity: Sensitivity
+    kv: Optional[KVChoice] = None
 
     def lines(self) -> list[str]:
         """The report table (``report.table``) and the notes."""
         c = self.config
         return table(self.report, c.labels, estimator=c.estimator, cost=c.cost, budget=c.effective_bits,
                      achieved=self.effective_bits, objective=self.objective,
-                     tokens=self.sensitivity.tokens) + [f"note: {n}" for n in self.notes]
+                     tokens=self.sensitivity.tokens) + (self.kv.lines() if self.kv else []) \
+            + [f"note: {n}" for n in self.notes]
 
     def yaml(self) -> str:
         """The recipe as YAML (what ``save`` writes; ``recipes.get_ptq_recipe(path)`` reads it back)."""
@@ -179,6 +198,7 @@ class AutoRecipeResult:
                 "active_bits": self.active_bits, "objective": self.objective,
                 "calibration_tokens": self.sensitivity.tokens, "routed_tokens": self.sensitivity.routed,
                 "units": [r.to_dict() for r in self.report], "notes": list(self.notes),
+                "kv_cache": self.kv.to_dict() if self.kv else None,
                 "recipe": ptq_recipe_to_dict(self.recipe)}
 
 
@@ -204,11 +224,27 @@ def _check_budget(costs, budget: float) -> None:
                          f"effective_bits >= {low:.4f} (or cheaper candidates)")
 
 
-def build_recipe(units, schemes, config: AutoRecipeConfig, description: str = "") -> PTQRecipe:
+def build_recipe(units, schemes, config: AutoRecipeConfig, description: str = "", kv_cache=None) -> PTQRecipe:
     """One rule per unit (its exact-name ``match`` -> its scheme), default bf16 (nothing else is quantized),
-    ``config.ignore`` as the ignore list."""
+    ``config.ignore`` as the ignore list, ``kv_cache`` (a KVCacheScheme or None) as the KV cache."""
     return PTQRecipe(name=config.name, description=description, default=Scheme("bf16"),
-                     rules=tuple(PTQRule(u.match, s) for u, s in zip(units, schemes)), ignore=config.ignore)
+                     rules=tuple(PTQRule(u.match, s) for u, s in zip(units, schemes)), ignore=config.ignore,
+                     kv_cache=kv_cache)
+
+
+def _kv_tap(model: nn.Module, config: AutoRecipeConfig) -> Optional[KVTap]:
+    """The KV candidates' tap (None without ``kv_cache_bits``); the KV budget checked before measuring."""
+    if config.kv_cache_bits is None:
+        return None
+    names = config.kv_candidates
+    tap = KVTap(model, names, [True] * len(names))
+    if not tap.attn:
+        raise UsageError(f"kv_cache_bits: {type(model).__name__} has no attention module whose KV cache blockscale "
+                         "quantizes (transformers attention modules with k_proj / v_proj and a layer_idx)")
+    why = [kv_why_not(n, tap.attn) for n in names]
+    tap.allowed = tuple(w is None for w in why)
+    choose_kv(names, [0.0 if w is None else None for w in why], config.kv_cache_bits)  # UsageError if none fits
+    return tap
 
 
 def auto_recipe(model: nn.Module, calibration_ids: torch.Tensor, config: AutoRecipeConfig) -> AutoRecipeResult:
@@ -233,7 +269,9 @@ def auto_recipe(model: nn.Module, calibration_ids: torch.Tensor, config: AutoRec
                              "add a scheme without blocks (bf16, fp8-w8a8) to candidates, or ignore it")
     if config.cost == "total":  # the budget checked before measuring (active: the routing decides the weights)
         _check_budget(cost_table(units, cands, unit_weights(units, None, "total"), allowed), config.effective_bits)
-    sens = measure(model, units, cands, allowed, ids, config.estimator, config.batch_size, config.seed)
+    kv_tap = _kv_tap(model, config)
+    sens = measure(model, units, cands, allowed, ids, config.estimator, config.batch_size, config.seed, kv_tap)
+    kv = kv_choice(config.kv_candidates, sens.kv_scores, config.kv_cache_bits) if kv_tap is not None else None
     weights = unit_weights(units, sens.active_fraction, config.cost)
     costs = cost_table(units, cands, weights, allowed)
     budget, high = config.effective_bits, dearest(costs)
@@ -250,13 +288,14 @@ def auto_recipe(model: nn.Module, calibration_ids: torch.Tensor, config: AutoRec
     total_bits, active_bits = (effective_bits(units, chosen, counts[k]) for k in ("total", "active"))
     desc = (f"auto-recipe: {len(units)} units, {config.estimator} scores on {sens.tokens} calibration tokens, "
             f"effective bits {best.cost:.4f} of budget {budget:g} (cost {config.cost}); candidates "
-            f"{', '.join(config.labels)}")
+            f"{', '.join(config.labels)}" + (f"; KV cache {kv.chosen} (budget {kv.budget:g} bits per element)"
+                                            if kv else ""))
     rows = tuple(ReportRow(u.name, u.kind, u.match, u.params, w, tuple(sens.scores[i]),
                            tuple(bits_per_weight_of(u, s) if ok else None for s, ok in zip(cands, allowed[i])),
                            cands[best.choice[i]].label)
                  for i, (u, w) in enumerate(zip(units, weights)))
-    return AutoRecipeResult(config, build_recipe(units, chosen, config, desc), rows, best.cost, total_bits,
-                            active_bits, best.objective, tuple(notes), tuple(units), sens)
+    return AutoRecipeResult(config, build_recipe(units, chosen, config, desc, kv.kv_cache if kv else None), rows,
+                            best.cost, total_bits, active_bits, best.objective, tuple(notes), tuple(units), sens, kv)
 
 
 def bits_per_weight_of(unit: Unit, scheme: Scheme) -> float:
@@ -264,6 +303,6 @@ def bits_per_weight_of(unit: Unit, scheme: Scheme) -> float:
     return unit_bits(unit, scheme) / unit.params
 
 
-__all__ = ["AutoRecipeConfig", "AutoRecipeResult", "EXPORT_FORMATS", "ReportRow", "Unit",
+__all__ = ["AutoRecipeConfig", "AutoRecipeResult", "EXPORT_FORMATS", "KVChoice", "KV_CANDIDATES", "ReportRow", "Unit",
            "auto_recipe", "bits_per_weight", "bits_per_weight_of", "brute_force", "build_recipe", "find_units",
            "solve", "storable_schemes"]

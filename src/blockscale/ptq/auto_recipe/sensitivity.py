@@ -59,6 +59,7 @@ class Sensitivity:
     active_fraction: list[float]
     routed: dict[str, list[int]] = field(default_factory=dict)
     tokens: int = 0
+    kv_scores: Optional[list[Optional[float]]] = None
 
 
 @contextmanager
@@ -285,9 +286,10 @@ def _forward_backward(model: nn.Module, first_layer: nn.Module, ids: torch.Tenso
 
 
 def measure(model: nn.Module, units, candidates, allowed, ids: torch.Tensor, estimator: str = "fisher",
-            batch_size: int = 4, seed: int = 0) -> Sensitivity:
+            batch_size: int = 4, seed: int = 0, kv_tap=None) -> Sensitivity:
     """Scores of every unit under every allowed candidate (``allowed[u][c]``) on calibration token ids ``ids``
-    [n, T] (see the module docstring), in batches of ``batch_size`` windows."""
+    [n, T] (see the module docstring), in batches of ``batch_size`` windows; with ``kv_tap`` (a
+    ``kv_cache.KVTap``) the KV candidates' scores too, from the same passes (``Sensitivity.kv_scores``)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r}; allowed values: {', '.join(map(repr, ESTIMATORS))}")
     fisher = estimator == "fisher"
@@ -297,10 +299,12 @@ def measure(model: nn.Module, units, candidates, allowed, ids: torch.Tensor, est
     taps = [_ExpertsTap(model, u, need_amax) if u.kind == "experts" else _LinearTap(model, u) for u in units]
     acc = [[0.0] * len(candidates) for _ in units]
     first_layer = decoder_layers(model)[0]
-    stats = need_amax or any(u.kind != "linear" for u in units)  # input amax / routing counts needed
+    # input amax / routing counts / KV amax needed
+    stats = need_amax or any(u.kind != "linear" for u in units) or kv_tap is not None
     with _prepared(model, seed):
         for mode in ("stats", "score") if stats else ("score",):
             handles = [h for t in taps for h in t.hooks(mode, fisher)]
+            handles += kv_tap.hooks(mode, fisher) if kv_tap is not None else []
             try:
                 for batch in batches:
                     if mode == "stats" or not fisher:
@@ -312,17 +316,21 @@ def measure(model: nn.Module, units, candidates, allowed, ids: torch.Tensor, est
                         for t, a, ok in zip(taps, acc, allowed):
                             t.add_scores(candidates, ok, fisher, a)
                             t.clear()
+                        if kv_tap is not None:
+                            kv_tap.add_scores(fisher)
+                            kv_tap.clear()
             finally:
                 for h in handles:
                     h.remove()
-                for t in taps:
+                for t in taps + ([kv_tap] if kv_tap is not None else []):
                     t.clear()
     n, T = ids.shape
     per = n * (T - 1) if fisher else n * T
     scores = [[(a / per if not s.is_high_precision else 0.0) if ok[c] else None
                for c, (a, s) in enumerate(zip(row, candidates))] for row, ok in zip(acc, allowed)]
     routed = {t.unit.name: list(t.routed) for t in taps if isinstance(t, _ExpertsTap)}
-    return Sensitivity(scores, [t.active_fraction(n * T) for t in taps], routed, n * T)
+    kv = kv_tap.scores(per) if kv_tap is not None else None
+    return Sensitivity(scores, [t.active_fraction(n * T) for t in taps], routed, n * T, kv)
 
 
 __all__ = ["ESTIMATORS", "Sensitivity", "measure"]
