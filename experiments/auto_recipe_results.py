@@ -31,10 +31,11 @@ from rotation_results import _model  # noqa: E402  (spec, model, texts: moe-3m's
 from blockscale.data.text_sources import calibration_batches  # noqa: E402
 from blockscale.ptq import PTQConfig  # noqa: E402
 from blockscale.ptq.auto_recipe import AutoRecipeConfig, auto_recipe, build_recipe, solve  # noqa: E402
+from blockscale.ptq.auto_recipe.kv_cache import kv_choice  # noqa: E402
 from blockscale.ptq.auto_recipe.costs import cost_table, effective_bits, unit_weights  # noqa: E402
 from blockscale.ptq.pipeline import calibrate_and_quantize  # noqa: E402
 from blockscale.recipes import get_ptq_recipe  # noqa: E402
-from blockscale.recipes.ptq_recipe import PTQRecipe, Scheme  # noqa: E402
+from blockscale.recipes.ptq_recipe import KVCacheScheme, PTQRecipe, Scheme  # noqa: E402
 from blockscale.recipes.recipe import DEFAULT_EXCLUDE  # noqa: E402
 
 BUDGETS = (5.0, 6.0, 8.5, 4.55)  # 5.0 first: the issue's goal; 4.55: just above uniform NVFP4 (4.5 + outer scales)
@@ -92,11 +93,14 @@ def run(args) -> None:
             t = time.time()
             r = auto_recipe(lm.model, ids, AutoRecipeConfig(effective_bits=16.0, estimator=estimator, cost=cost,
                                                             n_samples=spec["calib_samples"],
-                                                            seq_len=spec["calib_seq_len"]))
+                                                            seq_len=spec["calib_seq_len"], kv_cache_bits=16.0))
             scored[(estimator, cost)] = (r, time.time() - t)
+            kv = dict(zip(r.kv.names, r.kv.scores))
             if res.get(f"search {estimator} {cost}") is None:
                 res.add({"key": f"search {estimator} {cost}", "seconds": round(time.time() - t, 1),
-                         "units": len(r.units), "tokens": r.sensitivity.tokens})
+                         "units": len(r.units), "tokens": r.sensitivity.tokens, "kv_scores": kv})
+            elif res.get(f"kv scores {estimator} {cost}") is None:  # a search row from before the KV scores
+                res.add({"key": f"kv scores {estimator} {cost}", "kv_scores": kv})
         return scored[(estimator, cost)][0]
 
     def solved(r, budget, cost):
@@ -113,11 +117,20 @@ def run(args) -> None:
         cell("uniform nvfp4-w4a4", PTQRecipe.single(uniform, ignore=DEFAULT_EXCLUDE),
              {"bits": effective_bits(r.units, [uniform] * len(r.units), unit_weights(r.units, None, "total")),
               "kind": "uniform"})
+        for kv in ("fp8-e4m3", "nvfp4"):  # what each KV cache costs, alone and with uniform NVFP4 W4A4
+            cell(f"fp + kv {kv}", PTQRecipe.single(Scheme("bf16")).replace(kv_cache=KVCacheScheme(kv)),
+                 {"bits": 16.0, "kind": "kv", "kv": kv})
+            cell(f"uniform nvfp4-w4a4 + kv {kv}", PTQRecipe.single(uniform).replace(kv_cache=KVCacheScheme(kv)),
+                 {"bits": effective_bits(r.units, [uniform] * len(r.units), unit_weights(r.units, None, "total")),
+                  "kind": "kv", "kv": kv})
         costs_cost = ("total", "active") if args.model == "moe-3m" else ("total",)
         for budget in args.budgets:
             for cost in costs_cost:
-                for estimator in ("fisher", "fisher-a4", "output"):
-                    key = f"auto {estimator} {cost} @{budget:g}"
+                for estimator, kv_bits in (("fisher", None), ("fisher-a4", None), ("output", None), ("fisher", 8.0),
+                                           ("fisher", 4.5)):
+                    key = f"auto {estimator} {cost} @{budget:g}" + (f" kv@{kv_bits:g}" if kv_bits else "")
+                    if kv_bits and budget not in args.kv_budgets:
+                        continue
                     if res.get(key) is not None or (args.only and not any(o in key for o in args.only)):
                         continue
                     r = scores(estimator.split("-")[0], cost)
@@ -127,7 +140,9 @@ def run(args) -> None:
                                  for row in costs]
                     best = solve(sc, costs, budget)
                     chosen = [cands[c] for c in best.choice]
-                    recipe = build_recipe(r.units, chosen, r.config)
+                    recipe = build_recipe(r.units, chosen, r.config, kv_cache=kv_choice(r.kv.names, r.kv.scores,
+                                                                                          kv_bits).kv_cache
+                                          if kv_bits else None)
                     counts = {k: effective_bits(r.units, chosen, unit_weights(r.units, r.sensitivity.active_fraction, k))
                               for k in ("total", "active")}
                     mix = {}
@@ -162,6 +177,32 @@ def _closed(ppl, uni, fp):
     return 100.0 * (uni - ppl) / (uni - fp) if uni != fp else float("nan")
 
 
+def _is_kv(row) -> bool:
+    return row.get("kind") == "kv" or " kv@" in row["key"]
+
+
+def _kv_table(res, fp) -> list[str]:
+    """The KV cache rows: each next to the same weights without a KV cache (full precision, uniform NVFP4 W4A4,
+    the automatic recipe at a budget)."""
+    kv_rows = [r for r in res.rows if "ppl" in r and _is_kv(r)]
+    if not kv_rows:
+        return []
+    out = ["", "KV cache (post-RoPE K and V fake-quantized with calibrated per-layer scales; the weights as in the "
+           "row named): perplexity and what the KV cache adds to the same weights without it.", "",
+           "| weights | KV cache | ppl | + ppl from the KV cache |", "|---|---|---:|---:|"]
+    for r in kv_rows:
+        if r.get("kind") == "kv":
+            base_key, kv = r["key"].split(" + kv ")
+            weights = "full precision" if base_key == "fp" else base_key
+        else:
+            base_key, b = r["key"].split(" kv@")
+            kv, weights = {"8": "fp8-e4m3 (chosen within 8 bits)", "4.5": "nvfp4 (chosen within 4.5 bits)"}[b], base_key
+        base = fp if base_key == "fp" else (res.get(base_key) or {}).get("ppl")
+        delta = f"{r['ppl'] - base:+.4f}" if base is not None else "-"
+        out.append(f"| {weights} | {kv} | {r['ppl']:.4f} | {delta} |")
+    return out
+
+
 def report(dirs, generated_by: str) -> str:
     lines = ["# Automatic mixed precision under a bits budget (issue 34)", "",
              f"Generated by `{generated_by}`. Every row: PTQ round to nearest (default scale rule) with the recipe; "
@@ -179,7 +220,7 @@ def report(dirs, generated_by: str) -> str:
                   f"Full precision: **{fp:.4f}**" + (f"; uniform NVFP4 W4A4: **{uni['ppl']:.4f}**." if uni else "."), "",
                   "| recipe | budget | effective bits | ppl | gap closed | schemes (parameters) | PTQ s |",
                   "|---|---:|---:|---:|---:|---|---:|"]
-        rows = [r for r in res.rows if "ppl" in r and r["key"] != "fp"]
+        rows = [r for r in res.rows if "ppl" in r and r["key"] != "fp" and not _is_kv(r)]
         for r in sorted(rows, key=lambda r: (r.get("budget") or r.get("bits") or 0, r["key"])):
             closed = f"{_closed(r['ppl'], uni['ppl'], fp):.0f}%" if uni else "-"
             mix = ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in sorted(r.get("params_by_scheme", {}).items()))
@@ -187,11 +228,17 @@ def report(dirs, generated_by: str) -> str:
             extra = f" (total {r['total_bits']:.3f}, active {r['active_bits']:.3f})" if r.get("cost") == "active" else ""
             lines.append(f"| {r['key']} | {r.get('budget', '')} | {bits}{extra} | {r['ppl']:.4f} | {closed} | {mix} | "
                          f"{r.get('ptq_seconds', 0):.0f} |")
+        lines += _kv_table(res, fp)
         searches = [r for r in res.rows if r["key"].startswith("search ")]
         if searches:
             lines += ["", "Search cost (sensitivities; the solver takes milliseconds): " + "; ".join(
                 f"{r['key'][7:]}: {r['seconds']:.0f} s for {r['units']} units on {r['tokens']} tokens" for r in searches)
                       + "."]
+        kv = [r for r in res.rows if "kv_scores" in r]
+        if kv:
+            lines += ["", "KV cache scores (the search's estimators, same units as the units' scores; bf16 0): " + "; ".join(
+                f"{r['key'].split(' ', 2)[-1] if r['key'].startswith('kv') else r['key'][7:]}: "
+                + ", ".join(f"{n} {v:.3e}" for n, v in r["kv_scores"].items() if n != "bf16") for r in kv) + "."]
         lines.append("")
     return "\n".join(lines)
 
@@ -201,6 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path.home() / ".cache/blockscale/runs/auto-recipe"))
     ap.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "moe-3m"))
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
+    ap.add_argument("--kv-budgets", nargs="+", type=float, default=[5.0],
+                    help="weight budgets that also get the automatic recipe with a KV cache (kv@8: FP8, kv@4.5: NVFP4)")
     ap.add_argument("--only", nargs="+", help="run only cells whose key contains one of these")
     ap.add_argument("--max-minutes", type=float, default=None)
     ap.add_argument("--report-only", nargs="+", metavar="DIR")
