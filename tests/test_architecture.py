@@ -24,7 +24,7 @@ MAX_LINES = 500
 # Lowest first. A module may import modules of a lower layer, and modules of its own top-level package.
 # ``__main__`` modules (``python -m blockscale.X``) are command-line entry points: they sit with ``cli``.
 LAYERS = ("version", "errors", "file_errors", "formats", "quant", "recipes", "nn", "data", "models",
-          "eval", "train", "export", "ptq", "lsq", "cli")
+          "eval", "train", "export", "ptq", "hf", "lsq", "cli")
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 
@@ -193,7 +193,8 @@ def test_root_names_do_not_shadow_subpackages():
     """``from .quant import formats`` at the root once replaced the ``blockscale.formats`` package."""
     import types
 
-    for sub in ("formats", "quant", "recipes", "nn", "data", "models", "eval", "train", "export", "ptq", "lsq", "cli"):
+    for sub in ("formats", "quant", "recipes", "nn", "data", "models", "eval", "train", "export", "ptq", "hf", "lsq",
+                "cli"):
         __import__(f"blockscale.{sub}")
         assert isinstance(getattr(blockscale, sub), types.ModuleType), sub
 

@@ -5,7 +5,7 @@
     x_hat = q.dequantize()
 
 What a user needs, grouped as in ``__all__`` below; the sub-packages (``blockscale.quant``, ``.recipes``,
-``.nn``, ``.models``, ``.data``, ``.train``, ``.ptq``, ``.lsq``, ``.export``, ``.eval``) hold the rest.
+``.nn``, ``.models``, ``.data``, ``.train``, ``.ptq``, ``.lsq``, ``.export``, ``.eval``, ``.hf``) hold the rest.
 """
 from .version import __version__
 from .errors import BlockscaleError, CheckpointError, DataError, QuantizationError, UsageError
@@ -24,6 +24,21 @@ from .lsq import DistillConfig, distill
 from .export import checkpoint_format, export_checkpoint, load_checkpoint
 
 load = load_checkpoint
+
+
+def __getattr__(name: str):
+    """``bs.BlockscaleConfig`` (the transformers integration, ``blockscale.hf``) is imported on first use, so
+    ``import blockscale`` does not import transformers."""
+    if name == "BlockscaleConfig":
+        try:
+            from .hf import BlockscaleConfig
+        except ModuleNotFoundError as exc:
+            if exc.name != "transformers":
+                raise
+            raise ImportError("bs.BlockscaleConfig needs transformers >= 5: pip install 'transformers>=5'") from exc
+        return BlockscaleConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     # formats and quantizing a tensor
@@ -45,6 +60,7 @@ __all__ = [
     "PTQConfig", "PTQReport", "quantize_model", "RTNOptions", "AWQOptions", "SmoothQuantOptions", "GPTQOptions", "AutoRoundOptions",
     "DistillConfig", "distill",
     "export_checkpoint", "load_checkpoint", "load", "checkpoint_format",
+    "BlockscaleConfig",  # transformers' from_pretrained(..., quantization_config=...): quantize on load (lazy)
     "PerplexityResult", "perplexity",
     # errors
     "BlockscaleError", "CheckpointError", "DataError", "QuantizationError", "UsageError",

@@ -36,13 +36,23 @@ def test_demo_on_stories260k(tmp_path, capsys):
     assert "kept in high precision" in text  # stories260K's down_proj (in_features 172)
     assert (out / "checkpoint-compressed-tensors" / "model.safetensors").is_file()
     assert "NVFP4 weights" in text and "(largest: model.embed_tokens.weight fp32 131.1 kB)" in text  # what the size is
+    # blockscale's zero-shot suite next to each perplexity (12 items per task by default); the reloaded model has the
+    # in-memory one's logits bit for bit, hence its accuracies
+    zs = rep["zero_shot"]
+    reloaded = f"{label}, reloaded from checkpoint-compressed-tensors"
+    assert set(zs) == {"full precision", *rows, reloaded} and zs[reloaded] == zs[label]
+    assert all(t["items"] == 12 for r in zs.values() for t in r["tasks"].values())
+    assert rows[label]["zero_shot"] == zs[label] and "| zero-shot acc |" in text and "not a standard benchmark" in text
+    mean = sum(t["acc"] for t in zs[label]["tasks"].values()) / 3
+    assert f"| {label} | {learned['ppl']['ppl']:.3f} | " in text and f" | {mean:.3f} | " in text
 
 
 @pytest.mark.parametrize("kw,match", [(dict(lsq_steps=-1), "lsq_steps"), (dict(lsq_lr=0.0), "lsq_lr"),
                                       (dict(lsq_lr_weights=float("nan")), "lsq_lr_weights"),
                                       (dict(best="sweep"), "best='sweep'; allowed values: hessian, awq, gptq"),
                                       (dict(lsq_train="weights"), "lsq_train='weights'; allowed values: all, scales"),
-                                      (dict(eval_tokens=-5), "eval_tokens")])
+                                      (dict(eval_tokens=-5), "eval_tokens"),
+                                      (dict(zero_shot_items=-1), "zero_shot_items")])
 def test_demo_bad_arguments(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         run_demo(model="stories260k", out_dir=str(tmp_path), **kw)

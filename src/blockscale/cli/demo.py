@@ -4,7 +4,8 @@ pipeline of docs/results/recovery.md on the calibrated model: a few distillation
 value scales and latent weights (``lsq``, dual scales with the codes' scales frozen); export the last model as a
 compressed-tensors checkpoint, reload it, check its logits equal the in-memory model's bit for bit, and print a
 perplexity table (WikiText-2 test, first ``eval_tokens`` tokens, ctx 1024: a subset so the demo takes
-minutes on 2 CPU cores; ``blockscale eval ppl`` does the whole file).
+minutes on 2 CPU cores; ``blockscale eval ppl`` does the whole file), with the mean accuracy of blockscale's own
+zero-shot suite (``eval.zero_shot``, ``zero_shot_items`` items per task; ``blockscale eval zero-shot`` runs 200).
 """
 from __future__ import annotations
 
@@ -22,20 +23,31 @@ from ..ptq.pipeline import open_model as load_model
 from ..ptq import PTQConfig
 from ..ptq.pipeline import TextDefaults, default_texts, evaluate_ppl, quantized_copy, record_dict
 from ..data.text_sources import calibration_batches
+from ..eval import zero_shot
 from ..file_errors import write_text_atomic
 from ..models.hf import LoadedModel
 
 
-def _table(rows, fp_ppl) -> str:
-    lines = ["| model | ppl | gap to full precision | time to quantize / learn |", "|---|---:|---:|---:|"]
+def _table(rows, fp_ppl, zero_shot: dict) -> str:
+    """The perplexity table; with ``zero_shot`` ({label: ZeroShotResult}) a column of the mean zero-shot accuracy."""
+    acc = " | zero-shot acc" if zero_shot else ""
+    lines = [f"| model | ppl | gap to full precision{acc} | time to quantize / learn |",
+             "|---|---:|---:|" + ("---:|" if zero_shot else "") + "---:|"]
     for label, rec, secs in rows:
         gap = "" if secs is None else f"{100 * (rec.ppl / fp_ppl - 1):+.2f}%"
         t = "" if secs is None else f"{secs:.1f} s"
-        lines.append(f"| {label} | {rec.ppl:.3f} | {gap} | {t} |")
+        zs = f" | {_mean_acc(zero_shot[label]):.3f}" if label in zero_shot else " |" if zero_shot else ""
+        lines.append(f"| {label} | {rec.ppl:.3f} | {gap}{zs} | {t} |")
     return "\n".join(lines)
 
 
+def _mean_acc(result) -> float:
+    """The mean over tasks of the zero-shot accuracy (acc)."""
+    return sum(t.acc for t in result.tasks.values()) / len(result.tasks)
+
+
 BEST_METHODS = ("hessian", "awq", "gptq")
+DEMO_ZERO_SHOT_ITEMS = 12  # per task and model: about 14 s per model on SmolLM2 (1 CPU thread)
 LSQ_TRAIN = ("all", "scales")
 
 
@@ -50,11 +62,14 @@ def _best_config(best: str, n_samples: int, seq_len: int):
 
 def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_tokens: int = 8192, n_samples: int = 32,
              seq_len: int = 512, best: str = "hessian", lsq_steps: int = 50, lsq_lr: float = lsq.RECOVERY_LR_SCALES,
-             lsq_train: str = "all", lsq_lr_weights: float = lsq.RECOVERY_LR_WEIGHTS) -> int:
+             lsq_train: str = "all", lsq_lr_weights: float = lsq.RECOVERY_LR_WEIGHTS,
+             zero_shot_items: int = DEMO_ZERO_SHOT_ITEMS) -> int:
     """best: the calibrated PTQ method ("hessian": RTN with Hessian-aware block scales; "awq" / "gptq" with 4/6).
     lsq_steps: distillation steps on the calibrated model (0 skips them): dual block scales with the codes'
     scales frozen, the value scales in log units at ``lsq_lr``, with ``lsq_train="all"`` the latent weights too at
-    ``lsq_lr_weights``; cosine schedule with a tenth of the steps warm-up, 4 x 128 tokens per step."""
+    ``lsq_lr_weights``; cosine schedule with a tenth of the steps warm-up, 4 x 128 tokens per step.
+    zero_shot_items: items per task of blockscale's zero-shot suite (``eval.zero_shot``) scored on every model
+    variant next to its perplexity (0: none)."""
     t_start = time.time()
     if eval_tokens is not None and eval_tokens < 0:
         raise ValueError(f"eval_tokens={eval_tokens}: must be >= 0 (0: the whole evaluation text)")
@@ -67,6 +82,8 @@ def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_token
         raise ValueError(f"best={best!r}; allowed values: {', '.join(BEST_METHODS)}")
     if lsq_train not in LSQ_TRAIN:
         raise ValueError(f"lsq_train={lsq_train!r}; allowed values: {', '.join(LSQ_TRAIN)}")
+    if isinstance(zero_shot_items, bool) or not isinstance(zero_shot_items, int) or zero_shot_items < 0:
+        raise ValueError(f"zero_shot_items={zero_shot_items!r}: must be an integer >= 0 (0: no zero-shot suite)")
     eval_tokens = eval_tokens or None
     out = Path(out_dir)
     created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
@@ -74,7 +91,7 @@ def run_demo(model: str = "smollm2-135m", out_dir: str = "runs/demo", eval_token
     print(f"demo: writing checkpoints and report.json to {out.resolve()}", flush=True)
     try:
         return _run(model, out, eval_tokens, n_samples, seq_len, best, lsq_steps, lsq_lr, lsq_train, lsq_lr_weights,
-                    t_start)
+                    t_start, zero_shot_items)
     except BaseException:
         _remove_empty(created)
         raise
@@ -99,14 +116,32 @@ class _Session:
     eval_tokens: Optional[int]
     rows: list = field(default_factory=list)
     reports: dict = field(default_factory=dict)
+    zero_shot_items: int = 0
+    zero_shot: dict = field(default_factory=dict)  # row label -> eval.ZeroShotResult
 
     def ppl(self, model):
         d = self.texts
         return evaluate_ppl(model, self.lm.tokenizer, d.eval, d.ctx, d.bos, self.eval_tokens)
 
+    def score(self, model, label: str, same_as: Optional[str] = None) -> str:
+        """Blockscale's zero-shot suite on ``model`` (``zero_shot_items`` items per task) under row ``label``
+        (``same_as``: the label of a model with bit-identical logits, whose result it takes); a note for the
+        progress line ("" without the suite)."""
+        if not self.zero_shot_items:
+            return ""
+        if same_as in self.zero_shot:
+            self.zero_shot[label] = self.zero_shot[same_as]
+        else:
+            self.zero_shot[label] = zero_shot(model, self.lm.tokenizer, limit=self.zero_shot_items,
+                                              bos=self.texts.bos != "none")
+        r = self.zero_shot[label]
+        if label in self.reports:
+            self.reports[label]["zero_shot"] = r.as_dict()
+        return f", zero-shot acc {_mean_acc(r):.3f} ({r.seconds:.1f} s)"
+
 
 def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best: str, lsq_steps: int,
-         lsq_lr: float, lsq_train: str, lsq_lr_weights: float, t_start: float) -> int:
+         lsq_lr: float, lsq_train: str, lsq_lr_weights: float, t_start: float, zero_shot_items: int) -> int:
     print(f"[demo] loading {model} ...", flush=True)
     lm = load_model(model)
     d = default_texts(model)
@@ -114,10 +149,10 @@ def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best:
     subset = f"the first {eval_tokens} tokens" if eval_tokens else "all"
     print(f"[demo] {type(lm.model).__name__}, {n_params / 1e6:.1f}M parameters; evaluating on {subset} of {d.eval} "
           f"(ctx {d.ctx}); calibration: {n_samples} x {seq_len} tokens of {d.calib}", flush=True)
-    s = _Session(lm, d, eval_tokens)
+    s = _Session(lm, d, eval_tokens, zero_shot_items=zero_shot_items)
     fp = s.ppl(lm.model)
     s.rows.append(("full precision", fp, None))
-    print(f"[demo] full precision: ppl {fp.ppl:.3f}", flush=True)
+    print(f"[demo] full precision: ppl {fp.ppl:.3f}{s.score(lm.model, 'full precision')}", flush=True)
     configs = [
         ("NVFP4 RTN (scale to 6)", PTQConfig(method="rtn", skip_indivisible=True)),
         ("NVFP4 RTN + 4/6 (MSE)", PTQConfig(method="rtn", scale_rule="4over6", skip_indivisible=True)),
@@ -133,6 +168,8 @@ def _run(model: str, out: Path, eval_tokens, n_samples: int, seq_len: int, best:
     _print_table(s, model, subset, fp, kept, same, ckpt)
     report = {"model": model, "eval": record_dict(fp), "rows": s.reports, "reloaded_ppl": record_dict(rec),
               "reloaded_logits_bit_identical": same, "checkpoint": str(ckpt), "seconds": time.time() - t_start}
+    if s.zero_shot:
+        report["zero_shot"] = {label: r.as_dict() for label, r in s.zero_shot.items()}
     write_text_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
     print(f"report: {out / 'report.json'}  (total {time.time() - t_start:.0f} s)")
     return 0 if same else 1
@@ -151,7 +188,8 @@ def _quantize_each(s: _Session, configs):
         s.rows.append((label, rec, rep.seconds))
         s.reports[label] = {"config": cfg.to_dict(), "ppl": record_dict(rec), "seconds": rep.seconds,
                             "kept_high_precision": rep.kept_high_precision}
-        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({rep.seconds:.1f} s to quantize)", flush=True)
+        print(f"[demo] {label}: ppl {rec.ppl:.3f} ({rep.seconds:.1f} s to quantize){s.score(qmodel, label)}",
+              flush=True)
     return qmodel, latent
 
 
@@ -184,8 +222,8 @@ def _learn_scales(s: _Session, qmodel, latent, last: str, lsq_steps: int, lsq_lr
                         "seconds": secs, "trainable_params": res["trainable_params"],
                         "first_loss": res["first_loss"], "final_loss": res["final_loss"],
                         "best_step": res["best_step"], "held_out_losses": res["eval_losses"]}
-    print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable values)",
-          flush=True)
+    print(f"[demo] {label}: ppl {rec.ppl:.3f} ({secs:.1f} s; {res['trainable_params']:,} trainable values)"
+          f"{s.score(qmodel, label)}", flush=True)
     return label
 
 
@@ -201,6 +239,7 @@ def _export_and_reload(s: _Session, qmodel, ckpt: Path, model: str, last: str):
         same = torch.equal(qmodel(probe).logits, reloaded(probe).logits)
     rec = s.ppl(reloaded)
     s.rows.append((f"{last}, reloaded from {ckpt.name}", rec, None))
+    s.score(reloaded, f"{last}, reloaded from {ckpt.name}", same_as=last if same else None)
     return same, rec
 
 
@@ -210,7 +249,11 @@ def _print_table(s: _Session, model: str, subset: str, fp, kept, same: bool, ckp
     print()
     print(f"Perplexity of {model} on {subset} of {s.texts.eval} (ctx {s.texts.ctx}, non-overlapping windows, "
           f"{fp.tokens_evaluated} tokens scored); NVFP4 weights, full-precision activations (W4A16):")
-    print(_table(s.rows, fp.ppl))
+    print(_table(s.rows, fp.ppl, s.zero_shot))
+    if s.zero_shot:
+        n = next(iter(s.zero_shot.values())).tasks
+        print(f"zero-shot acc: the mean accuracy over blockscale's own zero-shot suite ({', '.join(n)}; "
+              f"{s.zero_shot_items} items each; not a standard benchmark: docs/evaluation.md); per task in report.json")
     if kept:
         print(f"kept in high precision (excluded by default, or in_features not a multiple of 16): {', '.join(kept)}")
     print(f"\nreloaded logits equal the in-memory quantized model's bit for bit: {same}")

@@ -263,7 +263,8 @@ def _cmd_demo(args) -> int:
     check_run_dir(args.out, "--out")
     return run_demo(model=args.model, out_dir=args.out, eval_tokens=args.eval_tokens, n_samples=args.n_samples,
                     seq_len=args.seq_len, best=args.best, lsq_steps=args.lsq_steps, lsq_lr=args.lsq_lr,
-                    lsq_train=args.lsq_train, lsq_lr_weights=args.lsq_lr_weights)
+                    lsq_train=args.lsq_train, lsq_lr_weights=args.lsq_lr_weights,
+                    zero_shot_items=args.zero_shot_items)
 
 
 def _add_demo(sub) -> None:
@@ -296,6 +297,9 @@ def _add_demo(sub) -> None:
     number(d, "--lsq-lr-weights", float, lo=0.0, lo_open=True, default=DEFAULT_LR_WEIGHTS_BLOCK,
            help=f"learning rate of the latent weights with --lsq-train all, relative to each block's scale (default "
                 f"{DEFAULT_LR_WEIGHTS_BLOCK:g}: docs/results/recovery.md)")
+    number(d, "--zero-shot-items", int, lo=0, hi=1 << 20, default=12,
+           help="items per task of blockscale's zero-shot suite scored on every model next to its perplexity "
+                "(default 12; 0: none; docs/evaluation.md)")
     add_common(d)
     d.set_defaults(func=_cmd_demo)
 
@@ -369,7 +373,11 @@ def _add_quantize(sub) -> None:
 
 
 def _add_eval(sub) -> None:
-    e = sub.add_parser("eval", help="evaluate a model (perplexity)")
+    from .eval_tasks import add_eval_tasks
+    from .eval_zero_shot import add_eval_zero_shot
+
+    e = sub.add_parser("eval", help="evaluate a model: perplexity, blockscale's zero-shot suite, lm-evaluation-harness "
+                                    "tasks")
     e.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     esub = e.add_subparsers(dest="metric", required=True)
     p = esub.add_parser("ppl", help="perplexity over non-overlapping windows, every token scored")
@@ -388,6 +396,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--json", help="also write the result as JSON to this file")
     add_common(p)
     p.set_defaults(func=_cmd_eval_ppl)
+    add_eval_zero_shot(esub)
+    add_eval_tasks(esub)
 
 
 def build_parser() -> argparse.ArgumentParser:
