@@ -25,6 +25,7 @@ import yaml
 from torch import nn
 
 from ...errors import DataError, UsageError
+from ...nn.kv_cache import attention_modules
 from ...recipes.ptq_recipe import SCHEME_NAMES, PTQRecipe, PTQRule, Scheme, check_regexes
 from ...recipes.ptq_serialize import ptq_recipe_to_dict, save_ptq_recipe
 from ...recipes.recipe import DEFAULT_EXCLUDE
@@ -236,15 +237,13 @@ def _kv_tap(model: nn.Module, config: AutoRecipeConfig) -> Optional[KVTap]:
     """The KV candidates' tap (None without ``kv_cache_bits``); the KV budget checked before measuring."""
     if config.kv_cache_bits is None:
         return None
-    names = config.kv_candidates
-    tap = KVTap(model, names, [True] * len(names))
-    if not tap.attn:
+    names, attn = config.kv_candidates, attention_modules(model)
+    if not attn:
         raise UsageError(f"kv_cache_bits: {type(model).__name__} has no attention module whose KV cache blockscale "
                          "quantizes (transformers attention modules with k_proj / v_proj and a layer_idx)")
-    why = [kv_why_not(n, tap.attn) for n in names]
-    tap.allowed = tuple(w is None for w in why)
-    choose_kv(names, [0.0 if w is None else None for w in why], config.kv_cache_bits)  # UsageError if none fits
-    return tap
+    allowed = [kv_why_not(n, attn) is None for n in names]
+    choose_kv(names, [0.0 if ok else None for ok in allowed], config.kv_cache_bits)  # UsageError if none fits
+    return KVTap(model, names, allowed)
 
 
 def auto_recipe(model: nn.Module, calibration_ids: torch.Tensor, config: AutoRecipeConfig) -> AutoRecipeResult:
