@@ -240,9 +240,8 @@ def test_ptq_hessian_rules_with_smoothing_methods_and_w4a4(method, act, rules):
             assert bool(torch.isfinite(model(x).logits).all())
 
 
-def test_hessian_rules_refuse_gptq_and_awq_clip():
-    with pytest.raises(UsageError, match="cannot be combined with method='gptq'"):
-        _ptq(tiny_hf_llama(), "hessian", method="gptq")
+def test_hessian_rules_refuse_awq_clip():
+    # (GPTQ takes the rules inside its loop: tests/ptq/test_gptq_hessian_scales.py)
     if "clip" in AWQOptions.__dataclass_fields__:
         with pytest.raises(UsageError, match="clip"):
             _ptq(tiny_hf_llama(), "hessian-4over6", method="awq", options=AWQOptions(clip=True))

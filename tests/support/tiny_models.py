@@ -109,3 +109,16 @@ def byte_llama_dir(tmp_path):
     byte_transformers_tokenizer().save_pretrained(tmp_path / "src")
     (tmp_path / "cal.txt").write_text("Once upon a time there was a little robot who loved to count the stars. " * 20)
     return tmp_path / "src"
+
+
+def assert_reloads_bit_exact(model, directory, fmt: str = "compressed-tensors", x=None) -> None:
+    """Export ``model`` to ``directory`` in ``fmt``, load it back (``export.load_checkpoint``) and check the
+    reloaded model's logits equal the model's bit for bit (on ``x``, default 2 x 16 tokens)."""
+    from blockscale.export import export_checkpoint, load_checkpoint
+
+    x = token_ids(2, 16, seed=7) if x is None else x
+    with torch.no_grad():
+        ref = model(x).logits
+    loaded = load_checkpoint(export_checkpoint(model, directory, fmt))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, ref)

@@ -11,9 +11,11 @@ weighted with the diagonal of the Linear's calibration input second moments (``q
   ``quantize_weighted(W, rule, S, d)`` with the group's shared outer scale S (fused groups keep one S) and
   d = mean x^2 per channel; no calibration token: the base rule ("sweep" / "4over6") and a note. Every
   other weight: the method's own ``quantize_weight``.
-- refused (UsageError, before calibrating): methods that choose the block scales themselves (GPTQ: its
-  error-feedback loop picks each group's scales; AWQ with ``clip``: its clipped weights are rounded by the
-  clip search's own rule).
+- methods that choose the block scales themselves and weigh them (``weighs_block_scales``, GPTQ: its
+  error-feedback loop picks each group's scales from the current weights, with the rule's weighted error):
+  ``quantize_weight_weighted(weight, stats, spec, S, rule)``.
+- refused (UsageError, before calibrating): methods that choose the block scales themselves without
+  weighing them; AWQ with ``clip`` (its clipped weights are rounded by the clip search's own rule).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class HessianScales:
         if not getattr(scheme, "hessian_scales", False):
             return
         m = self._method
-        if m.chooses_block_scales:
+        if m.chooses_block_scales and not m.weighs_block_scales:
             who = type(m).__name__
             others = " / ".join(n for n, cls in METHODS.items() if not cls.chooses_block_scales)
             raise UsageError(f"{name}: scale_rule={scheme.scale_rule!r} cannot be combined with method={m.name!r} ({who} "
@@ -85,6 +87,8 @@ class HessianScales:
         rule = self._rule(stats)
         if rule is None:
             return self._method.quantize_weight(weight, stats, spec, encode_scale)
+        if self._method.weighs_block_scales:  # GPTQ: the rule inside its own loop
+            return self._method.quantize_weight_weighted(weight, stats, spec, encode_scale, rule)
         d = stats.channel_weights()
         if d is None:
             res = self._method.quantize_weight(weight, stats, spec, encode_scale)

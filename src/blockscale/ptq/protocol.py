@@ -113,7 +113,9 @@ class PTQMethod:
     quantizes_fused_experts: ``quantize_weight`` may be called per expert of a fused 3-D experts module
     (``ptq.fused_experts``); otherwise PTQ refuses models whose fused experts it would quantize.
     chooses_block_scales: ``quantize_weight`` picks each group's block scales itself (GPTQ, inside its
-    error-feedback loop), so a scale rule that picks them from calibration weights cannot be combined.
+    error-feedback loop), so a scale rule that picks them from calibration weights cannot be combined,
+    unless the method also has ``weighs_block_scales``: it then applies a Hessian-aware rule ("hessian",
+    "hessian-4over6") to its own choice (``quantize_weight_weighted(weight, stats, spec, encode_scale, rule)``).
     reconstructs_layers: the method optimises a whole decoder layer's quantization at once on the layer's
     calibration inputs (``reconstruct_layer``, AutoRound); quantize_model then quantizes each Linear from
     its results.
@@ -127,6 +129,7 @@ class PTQMethod:
     compares_to_rtn: ClassVar[bool] = False
     quantizes_fused_experts: ClassVar[bool] = False
     chooses_block_scales: ClassVar[bool] = False
+    weighs_block_scales: ClassVar[bool] = False
     reconstructs_layers: ClassVar[bool] = False
 
     def __init__(self, options=None):

@@ -27,13 +27,14 @@ import torch
 
 from ...quant import NVFP4, fake_quantize
 from ...quant.nvfp4 import INPUT_SCALE_RULES, input_encode_scale
-from ..options import check_options, option
+from ..options import OptionError, check_options, option
 from ..protocol import PTQMethod, QuantizedWeight
 from ..scheme_quantize import input_quantizer, rtn_quantize
 from ..smoothing import FLOAT_DTYPES, check_smoothable, check_weights, smooth_layer
 from ..statistics import StatisticsRequest
 from .awq_clip import awq_clip_search, clip_supported, subsample_rows
 from .awq_error import group_error, part_input, parts_error, scheme_quantizers
+from .gptq import GPTQ
 
 # smoothing scales are kept in [S_MIN, S_MAX]: W * s and x / s then stay far from FP32 / BF16 limits
 S_MIN, S_MAX = 1e-4, 1e4
@@ -269,6 +270,9 @@ def awq_search_parts(parts, *, spec: Optional[NVFP4] = None, act_scale_rule: Opt
     return _grid_search(x_mean, w_mean, n_grid, dev, parts_error(prepared, count))
 
 
+AWQ_QUANTIZERS = ("rtn", "gptq")
+
+
 @dataclass(frozen=True)
 class AWQOptions:
     """Options of ``method="awq"`` (see ``awq_search``)."""
@@ -283,9 +287,14 @@ class AWQOptions:
     clip_max_shrink: float = option(0.5, "AWQ auto-clip: ratios down to 1 - clip-max-shrink (exclusive)", lo=0.0,
                                     hi=1.0, hi_open=True)
     clip_qk: bool = option(False, "AWQ auto-clip also clips q / k projections (AutoAWQ skips them)")
+    quantizer: str = option("rtn", "AWQ rounds the smoothed weights to nearest (with auto-clip) or by GPTQ (its "
+                            "default options, Hessians of the smoothed inputs; no clip)", choices=AWQ_QUANTIZERS)
 
     def __post_init__(self):
         check_options(self)
+        if self.quantizer == "gptq" and self.clip:
+            raise OptionError(type(self).__name__, "clip", self.clip, "auto-clip rounds to nearest; it cannot be "
+                              "combined with quantizer='gptq' (leave clip unset or False)")
 
 
 # the last name component of the Linears auto-clip leaves alone unless clip_qk (AutoAWQ's q / k skip:
@@ -296,7 +305,9 @@ QK_NAMES = ("q_proj", "k_proj", "wq", "wk", "query", "key", "qkv_proj", "Wqkv", 
 class AWQ(PTQMethod):
     """Grid-searched smoothing scales per group (W4A4: against quantized activations too), folded; then RTN
     (with ``clip``: of each Linear's auto-clipped weights, ``awq_clip``, scored on the statistics recorded
-    again after folding, so ``quantizes_with_statistics`` is then on)."""
+    again after folding, so ``quantizes_with_statistics`` is then on), or with ``quantizer="gptq"`` GPTQ on the
+    Hessians of the smoothed inputs (``GPTQ().quantize_weight``, bit for bit; a Hessian-aware scale rule goes
+    inside its loop as with ``method="gptq"``)."""
 
     name = "awq"
     Options = AWQOptions
@@ -309,15 +320,20 @@ class AWQ(PTQMethod):
         scales the clip search would) or no scheme's weights are NVFP4 with 1x16 blocks (the only ones it clips)."""
         if options.clip is not None:
             return options
-        on = not any(s.hessian_scales for s in schemes) and any(clip_supported(s.weight_spec) for s in schemes)
+        on = (options.quantizer == "rtn" and not any(s.hessian_scales for s in schemes)
+              and any(clip_supported(s.weight_spec) for s in schemes))
         return replace(options, clip=on)
 
     def __init__(self, options=None):
         super().__init__(options)
         # the effective auto-clip (PTQConfig resolves None from its recipe; a bare AWQ() takes None as on)
-        self.clip = self.options.clip is not False
+        self.clip = self.options.clip is not False and self.options.quantizer == "rtn"
         if self.clip:
             self.quantizes_with_statistics = True  # the clip search reads the smoothed layer's inputs
+        self._gptq = GPTQ() if self.options.quantizer == "gptq" else None
+        if self._gptq is not None:  # GPTQ's traits: Hessians recorded again after folding, scales chosen in its loop
+            self.quantizes_with_statistics = self.compares_to_rtn = True
+            self.chooses_block_scales = self.weighs_block_scales = True
         self._clip_context = None  # (schemes, weight_spec, act_scale_rule, linear names) of the current layer
 
     def check_layer(self, layer, name: str) -> None:
@@ -341,6 +357,8 @@ class AWQ(PTQMethod):
         return True, lambda x: fake_quantize(x, act, encode_scale=enc.to(x.device), check_finite=False)
 
     def quantize_weight(self, weight, stats, spec, encode_scale) -> QuantizedWeight:
+        if self._gptq is not None:
+            return self._gptq.quantize_weight(weight, stats, spec, encode_scale)
         if not self.clip or not clip_supported(spec):
             return super().quantize_weight(weight, stats, spec, encode_scale)
         clip, aq = self._clip_input_quantizer(stats)
@@ -351,8 +369,12 @@ class AWQ(PTQMethod):
                               max_shrink=o.clip_max_shrink, max_tokens=o.max_tokens)
         return QuantizedWeight(rtn_quantize(res.weight, spec, encode_scale), latent=res.weight)
 
+    def quantize_weight_weighted(self, weight, stats, spec, encode_scale, rule: str) -> QuantizedWeight:
+        """quantizer "gptq": GPTQ with the Hessian-aware ``rule`` inside its loop (``HessianScales`` calls it)."""
+        return self._gptq.quantize_weight_weighted(weight, stats, spec, encode_scale, rule)
+
     def statistics(self) -> StatisticsRequest:
-        return StatisticsRequest(sample_tokens=self.options.max_tokens)
+        return StatisticsRequest(sample_tokens=self.options.max_tokens, hessian=self._gptq is not None)
 
     def transform_layer(self, layer) -> dict[str, float]:
         o = self.options

@@ -14,6 +14,7 @@ import torch
 
 from ...quant import NVFP4, fake_quantize
 from ...quant.nvfp4 import input_encode_scale, shared_outer_scale
+from ...quant.nvfp4.weighted import WEIGHTED_RULES
 from ..scheme_quantize import group_weight_scale, input_quantizer, rtn_quantize
 from ..smoothing import check_weights
 from .awq_clip import subsample_rows
@@ -31,6 +32,8 @@ def scheme_quantizers(scheme, spec: Optional[NVFP4], act_scale_rule: Optional[st
 
         def qw(Wp):
             S = shared_outer_scale(Wp, spec.outer_bound)
+            if spec == WEIGHTED_RULES["hessian"]:  # the sweep (a Hessian-aware rule's base): its exact fast path
+                return [rtn_quantize(w, spec, S).dequantize(torch.float32) if w.numel() else w.float() for w in Wp]
             return [fake_quantize(w, spec, encode_scale=S, dtype=torch.float32) if w.numel() else w.float()
                     for w in Wp]
 

@@ -44,6 +44,11 @@ returned codes are bit for bit what ``blockscale.quantize`` stores for those blo
   ``four_over_six="plain"``: the library's 4/6 rule (with ``spec.error``) on the group's current
   weights, as RTN 4/6 would choose.
 
+* Hessian-aware rules (``weighted_rule="hessian"`` / ``"hessian-4over6"``, ``spec`` their stored base spec
+  ``WEIGHTED_RULES[rule]``): wherever the rules above choose a group's scales (from the current weights, or up
+  front for static groups), the weighted rule chooses them instead, with channel weights ``d`` (default: the
+  undamped diagonal of ``H``; dead inputs 0), ``quant.nvfp4.weighted.weighted_block_scales``.
+
 With a diagonal ``H`` nothing propagates and the result is RTN ``quantize(W, spec,
 encode_scale=S)`` bit for bit (for the aware variant: when also ``H = c*I`` with ``U_jj`` a power
 of two, e.g. ``H = 4*I`` and ``damp=0``, the aware choice is exactly RTN 4/6 with ``error="mse"``).
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -62,6 +68,7 @@ from ....quant import NVFP4, QuantizedTensor, quantize
 from ....quant.block_error import block_error, tile_error
 from ....quant.nvfp4 import (BLOCK, amax_of_outer_scale, encode_blocks, encode_scale_tensor, reconstruct_blocks,
                              sweep_block_scales)
+from ....quant.nvfp4.weighted import WEIGHTED_RULES, check_channel_weights, weighted_block_scales
 from .options import GPTQOptions
 
 
@@ -69,8 +76,11 @@ from .options import GPTQOptions
 # block scales
 
 
-def _block_scales(Wm: torch.Tensor, spec: NVFP4, rule: str, S: torch.Tensor) -> torch.Tensor:
-    """FP32 block scales [N, nb] the library chooses for ``Wm`` [N, nb*16] with ``rule`` and fixed S."""
+def _block_scales(Wm: torch.Tensor, spec: NVFP4, rule: str, S: torch.Tensor, d=None) -> torch.Tensor:
+    """FP32 block scales [N, nb] the library chooses for ``Wm`` [N, nb*16] with ``rule`` and fixed S (a
+    Hessian-aware rule: with the channel weights ``d`` of those columns)."""
+    if rule in WEIGHTED_RULES:
+        return weighted_block_scales(Wm, S, d, rule)
     if rule == "sweep":
         return sweep_block_scales(Wm, S, spec.block_2d)
     return quantize(Wm, replace(spec, scale_rule=rule), encode_scale=S).scales.to(torch.float32)
@@ -136,6 +146,20 @@ def _hessian_factor(H: torch.Tensor, W: torch.Tensor, damp: float, act_order: bo
     return U.to(torch.float32), perm, n_dead
 
 
+def _channel_weights(rule: str, d, H: torch.Tensor, spec: NVFP4, K: int, device) -> torch.Tensor:
+    """The channel weights [K] of a Hessian-aware ``rule`` inside GPTQ: ``d`` (checked), or diag(H) when None."""
+    if rule not in WEIGHTED_RULES:
+        raise ValueError(f"weighted_rule={rule!r}; allowed values: None, {', '.join(map(repr, WEIGHTED_RULES))}")
+    base = WEIGHTED_RULES[rule]
+    if spec.scale_rule != base.scale_rule or spec.outer_bound != base.outer_bound:
+        raise ValueError(f"weighted_rule={rule!r} stores its weights as {base.scale_rule!r} (outer bound "
+                         f"{base.outer_bound:g}); got spec with scale_rule={spec.scale_rule!r}, outer bound "
+                         f"{spec.outer_bound:g}")
+    if d is None:
+        d = torch.diagonal(H).to(device=device, dtype=torch.float32)
+    return check_channel_weights(d, K, device)
+
+
 def _check_inputs(weight, H, spec, encode_scale, options):
     if not isinstance(spec, NVFP4):
         raise TypeError(f"spec must be blockscale.NVFP4 (GPTQ here targets NVFP4 blocks), got {type(spec).__name__}")
@@ -163,7 +187,7 @@ def _check_inputs(weight, H, spec, encode_scale, options):
 
 
 @torch.no_grad()
-def _gptq(weight, H, spec, encode_scale, options):
+def _gptq(weight, H, spec, encode_scale, options, weighted_rule=None, d=None):
     """The GPTQ loop. Returns (Q [N, K] FP32 as computed in the loop, pre-quantization values
     [N, K], block scales [N, K/16] FP32, S, stats)."""
     t0 = time.perf_counter()
@@ -173,15 +197,20 @@ def _gptq(weight, H, spec, encode_scale, options):
     nb = K // BLOCK
     W = weight.detach().to(torch.float32).clone()
     static = options.static_groups or options.act_order
+    dcol = None
+    if weighted_rule is not None:
+        dcol = _channel_weights(weighted_rule, d, H, spec, K, W.device)
     U, perm, n_dead = _hessian_factor(H, W, float(options.damp), options.act_order)
-    rule = spec.scale_rule
+    rule = spec.scale_rule if weighted_rule is None else weighted_rule
+    if dcol is not None and n_dead:
+        dcol = torch.where(torch.diagonal(H).to(dcol.device) == 0, torch.zeros_like(dcol), dcol)
     aware = rule == "4over6" and options.four_over_six == "aware" and not static
     dev = W.device
 
     scales = torch.empty(N, nb, dtype=torch.float32, device=dev)
     n4 = torch.zeros((), dtype=torch.float64, device=dev)
     if static:  # every block scale from the original weights, then the columns in processing order
-        scales = _block_scales(W, spec, rule, S)
+        scales = _block_scales(W, spec, rule, S, dcol)
         if rule == "4over6":
             s6, s4 = _block_scales(W, spec, "6", S), _block_scales(W, spec, "4", S)
             n4 = ((scales == s4) & (s4 != s6)).sum().double()
@@ -216,8 +245,8 @@ def _gptq(weight, H, spec, encode_scale, options):
                 q, e, p = (torch.where(pick4, t[1], t[0]) for t in (q2, e2, p2))
                 scales[:, c1 // BLOCK] = torch.where(pick4, s4, s6).squeeze(-1)
                 n4 += pick4.sum()
-            else:
-                s = _block_scales(Wg, spec, rule, S)  # [N, 1], from the current weights
+            else:  # [N, 1], from the current weights (a Hessian-aware rule: this block's channel weights)
+                s = _block_scales(Wg, spec, rule, S, None if dcol is None else dcol[c1:c2])
                 if rule == "4over6":
                     s6, s4 = _block_scales(Wg, spec, "6", S), _block_scales(Wg, spec, "4", S)
                     n4 += ((s == s4) & (s != s6)).sum()
@@ -244,7 +273,8 @@ def _gptq(weight, H, spec, encode_scale, options):
 
 
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: NVFP4, encode_scale: torch.Tensor,
-                  options: GPTQOptions = GPTQOptions()) -> tuple[QuantizedTensor, dict]:
+                  options: GPTQOptions = GPTQOptions(), weighted_rule: Optional[str] = None,
+                  d: Optional[torch.Tensor] = None) -> tuple[QuantizedTensor, dict]:
     """GPTQ-quantize ``weight`` [N, K] (K a multiple of 16) to NVFP4 with the fixed outer encode
     scale ``encode_scale`` (FP32 scalar S) and the layer-input Hessian ``H`` [K, K].
 
@@ -257,7 +287,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: NVFP4, encode_sca
     start from them (``QuantizedWeight.latent``)}. See the module docstring for the exact semantics.
     """
     t0 = time.perf_counter()
-    _, P, scales, S, stats = _gptq(weight, H, spec, encode_scale, options)
+    _, P, scales, S, stats = _gptq(weight, H, spec, encode_scale, options, weighted_rule, d)
     N, K = P.shape
     nb = K // BLOCK
     inv_S = 1.0 / S

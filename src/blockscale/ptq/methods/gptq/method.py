@@ -28,6 +28,7 @@ class GPTQ(PTQMethod):
     compares_to_rtn = True
     quantizes_fused_experts = True
     chooses_block_scales = True
+    weighs_block_scales = True
 
     def statistics(self) -> StatisticsRequest:
         return StatisticsRequest(hessian=True)
@@ -52,6 +53,17 @@ class GPTQ(PTQMethod):
         else:
             q, stats = gptq_fixed_grid(weight, H, spec, encode_scale, self.options)
         return QuantizedWeight(q, latent=stats["latent"])  # the values it rounded: scale learning's latent
+
+    def quantize_weight_weighted(self, weight, stats, spec, encode_scale, rule: str) -> QuantizedWeight:
+        """GPTQ with the Hessian-aware scale ``rule`` ("hessian" / "hessian-4over6"): each group's block scales
+        are the rule's, weighted by the channel weights of the GPTQ loss (``gptq_quantize(weighted_rule=)``),
+        chosen from the current (error-corrected) weights. No calibration tokens: RTN with the base rule."""
+        H = stats.H if stats is not None else None
+        if H is None:
+            return QuantizedWeight(super().quantize_weight(weight, stats, spec, encode_scale).q,
+                                   f"no calibration tokens: RTN ({rule} fell back to {spec.scale_rule})")
+        q, st = gptq_quantize(weight, H, spec, encode_scale, self.options, weighted_rule=rule)
+        return QuantizedWeight(q, latent=st["latent"])
 
 
 __all__ = ["GPTQ"]
