@@ -20,7 +20,8 @@ from .learn_scales_sharded import (add_sharding_flags, check_sharding_flags, ret
                                    teacher_dtype)
 from .learn_scales_teacher import (check_loaded_vocabulary, resolve_model_teacher, resolve_teacher, same_model,
                                    teacher_from_metadata)
-from .quantize import method_names, quantize_reported, skip_indivisible
+from .quantize import (add_method_flags, given_method_flags, method_names, method_options, quantize_reported,
+                       skip_indivisible)
 from .ranks import is_main_rank
 from .rotation_flags import ROTATE_METAVAR, check_learn_scales_rotation
 from ..errors import UsageError
@@ -45,6 +46,7 @@ def _init_recipe(args, is_ckpt: bool):
     if is_ckpt:
         given = [f for f, v in (("--recipe", args.recipe), ("--scale-rule", args.scale_rule), ("--w4a4", args.w4a4),
                                 ("--method", args.method), ("--rotate", args.rotate)) if v]
+        given += given_method_flags(args)
         if given:
             raise UsageError(f"{', '.join(given)}: the input {args.model} is a quantized checkpoint already; these "
                              "flags choose the PTQ initialisation of a model name")
@@ -105,7 +107,8 @@ def _ptq_config(args, recipe):
 
     flat = {} if recipe is not None else dict(scale_rule=args.scale_rule or "6",
                                               activations="w4a4" if args.w4a4 else "w4a16")
-    return PTQConfig(method=args.method or "rtn", recipe=recipe, **flat,
+    method = args.method or "rtn"
+    return PTQConfig(method=method, recipe=recipe, **flat, options=method_options(args, method),
                      skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
                      n_samples=args.n_samples, seq_len=args.seq_len, rotate=args.rotate or "none")
 
@@ -442,7 +445,8 @@ def add_learn_scales(sub) -> None:
     number(p, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=256, help="training windows drawn from --data")
     number(p, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=256)
     p.add_argument("--method", default=None, choices=method_names(),
-                   help="PTQ method of the initialisation (model names only; default rtn; its default options)")
+                   help="PTQ method of the initialisation (model names only; default rtn; its options: the "
+                        "--awq-* / --gptq-* / ... flags, as for quantize)")
     p.add_argument("--scale-rule", default=None, choices=("6", "4over6", "sweep", "hessian", "hessian-4over6"),
                    help="RTN init (model names only; default 6; with --recipe: its NVFP4 schemes' rule)")
     p.add_argument("--recipe", help="RTN init with a PTQ recipe (model names only): a built-in name (blockscale "
@@ -479,6 +483,7 @@ def add_learn_scales(sub) -> None:
                    help="mixed precision of --fsdp for everything but the LSQ learners (always fp32); gradients are "
                         "reduced in fp32")
     add_sharding_flags(p)
+    add_method_flags(p)  # the --method's options (model names only), as for quantize
     add_common(p)
     p.set_defaults(func=cmd_learn_scales)
 

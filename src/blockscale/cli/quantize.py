@@ -77,6 +77,12 @@ def method_options(args, method: str):
         raise UsageError(f"{flags[err.field]} {err.value}: {err.reason}") from None
 
 
+def given_method_flags(args) -> list[str]:
+    """The method-option flags (of any method) given a value other than their default."""
+    return [_flag(cls, f) for cls in METHODS.values() for f in option_fields(cls.Options)
+            if getattr(args, _dest(_flag(cls, f)), f.default) != f.default]
+
+
 def is_builtin(model: str) -> bool:
     """Whether ``model`` names a built-in model (``stories260k``, ``smollm2-135m``, ``smollm2``)."""
     from ..models.hf import BUILTIN_MODELS
@@ -145,5 +151,5 @@ def quantize_reported(prog: str, run: Callable, *, defaulted: bool):
     return report
 
 
-__all__ = ["INDIVISIBLE_NOTE", "add_method_flags", "group_names", "is_builtin", "method_names", "method_options",
-           "quantize_reported", "skip_indivisible"]
+__all__ = ["INDIVISIBLE_NOTE", "add_method_flags", "given_method_flags", "group_names", "is_builtin", "method_names",
+           "method_options", "quantize_reported", "skip_indivisible"]
