@@ -200,9 +200,8 @@ _RETRY50 = dict(DEFAULTS, lr_retries=_CLI50.lr_retries)
 RUNS += [
     ("defaults with the lr retry (learn-scales --steps 50)", GH, _RETRY50, (50,),
      {"stories260k/w4a16", "stories260k/w4a4"}),
-    # (SmolLM2 W4A4 from AWQ + GPTQ hessian, its best PTQ: not run yet, about 24 min: add "smollm2-135m/w4a4")
     ("defaults with the lr retry (learn-scales --steps 50)", AGH, _RETRY50, (50,),
-     {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16"}),
+     {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "smollm2-135m/w4a4"}),
 ]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
