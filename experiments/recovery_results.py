@@ -93,12 +93,18 @@ STARTS = {
     GH: dict(method="gptq", scale_rule="hessian"),
     "AWQ hessian": dict(method="awq", scale_rule="hessian"),  # AWQ's smoothing, then RTN with Hessian-aware scales
     AGH: dict(method="awq", scale_rule="hessian", options=AWQOptions(quantizer="gptq")),  # ... then GPTQ hessian
+    # the unweighted rules under the Hessian-aware ones (which of the two hurts on Qwen: the sweep's MSE, or d)
+    "RTN sweep": dict(method="rtn", scale_rule="sweep"),
+    "RTN 4/6": dict(method="rtn", scale_rule="4over6"),
+    "RTN hessian-4/6": dict(method="rtn", scale_rule="hessian-4over6"),
+    "GPTQ hessian-4/6": dict(method="gptq", scale_rule="hessian-4over6"),
 }
 # PTQ rows of the tables (the pipeline's starts and, for comparison, the best methods of docs/results/ptq.md)
 PTQ_ROWS = {"smollm2-135m": {"w4a16": ("RTN hessian", "GPTQ", GH, "AWQ", "AWQ, auto-clip", "AWQ hessian", AGH, AR50,
                                        "RTN hessian, 128 windows", AR50 + ", 128 windows"),
                              "w4a4": ("RTN hessian", A46, "GPTQ", GH, "AWQ", "AWQ, auto-clip", "AWQ hessian", AGH)},
-            "qwen2.5-coder-0.5b": {"w4a16": ("RTN hessian", "GPTQ", GH, "AWQ", "AWQ hessian", AGH),
+            "qwen2.5-coder-0.5b": {"w4a16": ("RTN hessian", "GPTQ", GH, "AWQ", "AWQ hessian", AGH, "RTN sweep",
+                                             "RTN 4/6", "RTN hessian-4/6", "GPTQ+4/6 (aware)", "GPTQ hessian-4/6"),
                                    "w4a4": ("RTN hessian", "GPTQ", GH, "AWQ hessian", AGH)},
             "moe-3m": {"w4a16": ("RTN hessian", "GPTQ", GH, "AWQ", "AWQ, auto-clip", "AWQ hessian", AGH, AR50),
                        "w4a4": ("RTN hessian", "GPTQ", GH, "AWQ", "AWQ, auto-clip", "AWQ hessian", AGH, AR50, A46)},
@@ -202,11 +208,24 @@ RUNS += [
      {"stories260k/w4a16", "stories260k/w4a4"}),
     ("defaults with the lr retry (learn-scales --steps 50)", AGH, _RETRY50, (50,),
      {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "smollm2-135m/w4a4"}),
+    ("defaults with the lr retry (learn-scales --steps 200)", AGH, _cli_defaults(200, retry=True), (200,),
+     {"smollm2-135m/w4a4"}),
+    # Qwen's best PTQ (GPTQ with 4/6-aware group scales, 63%: the Hessian-aware rules lose there)
+    ("defaults with the lr retry (learn-scales --steps 50)", "GPTQ+4/6 (aware)", _RETRY50, (50,),
+     {"qwen2.5-coder-0.5b/w4a16"}),
 ]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
 LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
             "smollm2-135m": ((1e-2, LR_WEIGHTS), (3e-3, 1e-4))}
+
+
+def model_and_texts(model: str):
+    """(spec, loaded model, texts) of ``MODELS[model]``, as ``run_all`` uses them (for the diagnosis scripts)."""
+    spec = MODELS[model]
+    lm = load_model(spec.get("path", model))
+    d = default_texts(spec.get("path", model))
+    return spec, lm, dataclasses.replace(d, **{k: spec[k] for k in TEXT_OVERRIDES if k in spec})
 
 
 def _ppl(model, lm, spec, d) -> float:
@@ -338,14 +357,14 @@ def run_all(args) -> None:
             key = f"ptq {start} | {acts}"
             if res.get(key) is None and (not args.only or start in PIPELINE_STARTS[acts] or start == "RTN-6"
                                          or start in args.only):
-                used = any(st == start and (not args.only or name in args.only)
+                used = any(st == start and (not args.only or name in args.only or f"{name} [{st}]" in args.only)
                            for name, st, _, _ in _runs(args.model, acts))
                 qm, sec, _ = _quantized(lm, start, acts, spec, d, keep=used)
                 res.add({"key": key, "start": start, "activations": acts, "ppl": _ppl(qm, lm, spec, d),
                          "ptq_seconds": sec})
                 del qm
         for name, start, s, milestones in _runs(args.model, acts):
-            if args.only and name not in args.only:
+            if args.only and name not in args.only and f"{name} [{start}]" not in args.only:
                 continue
             run_lsq(lm, spec, d, res, out, tokens, f"{name} [{start}] | {acts}", start, s, milestones, acts)
 
@@ -462,7 +481,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="stories260k", choices=sorted(MODELS))
     ap.add_argument("--out")
     ap.add_argument("--activations", nargs="+", default=["w4a16", "w4a4"], choices=("w4a16", "w4a4"))
-    ap.add_argument("--only", nargs="*", help="run names to run (e.g. pipeline)")
+    ap.add_argument("--only", nargs="*", help="run names to run (e.g. pipeline), or one run from one start as "
+                    "'NAME [START]', or PTQ rows")
     ap.add_argument("--report-only", nargs="+", metavar="DIR")
     ap.add_argument("--notes")
     ap.add_argument("--title", help="the report's title (default: the recovery pipeline's)")

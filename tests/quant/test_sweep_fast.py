@@ -152,17 +152,20 @@ def test_block_2d_keeps_the_reference_path():
     assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales.view(torch.uint8), ref.scales.view(torch.uint8))
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_pruning_keeps_the_all_candidate_choice_on_many_blocks(weighted):
-    """16K heavy-tailed random blocks: the pruned, sorted, chunked choice equals the plain selection over the
-    errors of all 126 candidates (the errors are the reference's, see above): the lowest candidate of least
-    error where it is strictly below scale-to-6's, else scale-to-6."""
-    g = torch.Generator().manual_seed(7)
-    W = torch.randn(512, 512, generator=g) * torch.exp(torch.randn(512, 512, generator=g))
+def _heavy_tailed_blocks(seed: int, n: int, weighted: bool):
+    """[n*n/16, 16] heavy-tailed random blocks, their encode scale S and random weights (or None)."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(n, n, generator=g) * torch.exp(torch.randn(n, n, generator=g))
     xf = W.reshape(-1, 16)
-    S = encode_scale_tensor(shared_outer_scale([W]))
-    inv_s = (1.0 / S).reshape(())
     wf = torch.rand(xf.shape, generator=g) * 3 if weighted else None
+    return xf, encode_scale_tensor(shared_outer_scale([W])), wf
+
+
+def _all_candidate_choice(xf, S, wf, clip: bool = True):
+    """The plain selection over the reference errors of all 126 candidates (those below each block's scale-to-6
+    left out unless ``clip``): the lowest candidate of least error where it is strictly below scale-to-6's,
+    else scale-to-6. Returns (choice, scale-to-6)."""
+    inv_s = (1.0 / S).reshape(())
     cand = e4m3_positive_values()
     ax = xf.abs().T.contiguous()
     w = None if wf is None else wf.T.contiguous()
@@ -170,9 +173,19 @@ def test_pruning_keeps_the_all_candidate_choice_on_many_blocks(weighted):
                                       inv_s) for i in range(0, ax.shape[1], 1024)], dim=1)
     s6 = block_scales(block_amax(xf.view(-1, 1, 16)), S.reshape(1, 1, 1), 6).reshape(-1)
     err6 = candidate_errors(ax, w, s6.view(1, -1), inv_s)[0]
+    if not clip:
+        err[cand.view(-1, 1) < s6.view(1, -1)] = float("inf")
     best = err.amin(dim=0)
     first = torch.where(err == best, torch.arange(126).view(126, 1), 126).amin(dim=0)
-    ref = torch.where(best < err6, cand[first], s6)
+    return torch.where(best < err6, cand[first], s6), s6
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pruning_keeps_the_all_candidate_choice_on_many_blocks(weighted):
+    """16K heavy-tailed random blocks: the pruned, sorted, chunked choice equals the plain selection over the
+    errors of all 126 candidates (the errors are the reference's, see above)."""
+    xf, S, wf = _heavy_tailed_blocks(7, 512, weighted)
+    ref, s6 = _all_candidate_choice(xf, S, wf)
     got = fast_sweep_scales(xf, S, wf)
     assert (ref != s6).float().mean() > 0.3  # many blocks move off scale-to-6: the test has teeth
     assert torch.equal(got, ref)
@@ -191,3 +204,17 @@ def test_overflowing_errors_keep_the_reference_choice():
     ref = quantize(W, spec, encode_scale=S)
     got = quantize_weighted(W, "hessian", S, torch.ones(64))
     assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_no_clip_sweep_is_the_selection_over_candidates_from_scale_to_6(weighted):
+    """``clip=False`` (candidates >= each block's scale-to-6 only; experiments/sweep_clip_diagnosis.py): the
+    plain selection over all 126 candidates' reference errors with those below scale-to-6 left out, ties as
+    the sweep; never below scale-to-6; the same as ``clip=True`` on blocks where that chose no clipping scale."""
+    xf, S, wf = _heavy_tailed_blocks(11, 256, weighted)
+    ref, s6 = _all_candidate_choice(xf, S, wf, clip=False)
+    got = fast_sweep_scales(xf, S, wf, clip=False)
+    full = fast_sweep_scales(xf, S, wf)
+    assert (full < s6).float().mean() > 0.1 and (got > s6).float().mean() > 0.1  # both kinds of move occur
+    assert torch.equal(got, ref) and bool((got >= s6).all())
+    assert torch.equal(got[full >= s6], full[full >= s6])

@@ -76,9 +76,11 @@ def _element_terms(a: torch.Tensor, wm, cand: torch.Tensor, inv_s: torch.Tensor)
     return y
 
 
-def fast_sweep_scales(xf: torch.Tensor, S: torch.Tensor, wf=None) -> torch.Tensor:
+def fast_sweep_scales(xf: torch.Tensor, S: torch.Tensor, wf=None, clip: bool = True) -> torch.Tensor:
     """Sweep block scales [B] (FP32 values) of blocks ``xf`` [B, 16] (FP32) with outer scale ``S`` (0-d FP32)
-    and per-element weights ``wf`` ([B, 16] or None: all ones), bit for bit the reference sweep's choice."""
+    and per-element weights ``wf`` ([B, 16] or None: all ones), bit for bit the reference sweep's choice.
+    ``clip=False``: only the candidates at or above each block's scale-to-6 (none that clips the block's
+    largest element more than scale-to-6 does)."""
     B = xf.shape[0]
     dev = xf.device
     cand = e4m3_positive_values().to(dev)
@@ -107,6 +109,8 @@ def fast_sweep_scales(xf: torch.Tensor, S: torch.Tensor, wf=None) -> torch.Tenso
         # term >= err6: err >= err6, never strictly lower. sign(t - err6) + 1 is 0 exactly where t < err6
         # (an FP32 difference has the sign of the exact one); float keys, as compare / where are slow here
         pruned = t.sub_(e6.view(1, -1)).sign_().nan_to_num_(1.0).add_(1.0)  # inf - inf: pruned (not lower)
+        if not clip:
+            pruned.add_((cand.view(C, 1) < s6[sl].view(1, -1)).float())
         lo[sl] = torch.add(idx_f, pruned, alpha=_BIG).amin(dim=0).to(torch.int64)  # >= _BIG: none kept
         hi[sl] = torch.add(idx_f, pruned, alpha=-_BIG).amax(dim=0).to(torch.int64)  # < 0: none kept
     out = s6.clone()
@@ -126,10 +130,12 @@ def fast_sweep_scales(xf: torch.Tensor, S: torch.Tensor, wf=None) -> torch.Tenso
         last = int(hi_s[b0:b1].amax())
         cs = cand[first:last + 1]
         err = candidate_errors(ax_s[:, b0:b1], None if w_s is None else w_s[:, b0:b1], cs.view(-1, 1), inv_s)
+        rows = order[b0:b1]
+        if not clip:
+            err.masked_fill_(cs.view(-1, 1) < s6[rows].view(1, -1), float("inf"))
         best = err.amin(dim=0)
         tied = err.sub_(best).sign_().nan_to_num_(0.0)  # 0 exactly at the least error (err >= best; inf = inf)
         pick = torch.add(idx_f[:cs.numel()], tied, alpha=_BIG).amin(dim=0).to(torch.int64)  # the lowest of those
-        rows = order[b0:b1]
         out[rows] = torch.where(best < err6[rows], cs[pick], s6[rows])
         b0 = b1
     return out
