@@ -94,8 +94,7 @@ STARTS = {
     "AWQ hessian": dict(method="awq", scale_rule="hessian"),  # AWQ's smoothing, then RTN with Hessian-aware scales
     AGH: dict(method="awq", scale_rule="hessian", options=AWQOptions(quantizer="gptq")),  # ... then GPTQ hessian
     # the unweighted rules under the Hessian-aware ones (which of the two hurts on Qwen: the sweep's MSE, or d)
-    "RTN sweep": dict(method="rtn", scale_rule="sweep"),
-    "RTN 4/6": dict(method="rtn", scale_rule="4over6"),
+    "RTN sweep": dict(method="rtn", scale_rule="sweep"), "RTN 4/6": dict(method="rtn", scale_rule="4over6"),
     "RTN hessian-4/6": dict(method="rtn", scale_rule="hessian-4over6"),
     "GPTQ hessian-4/6": dict(method="gptq", scale_rule="hessian-4over6"),
 }
@@ -340,9 +339,7 @@ def run_all(args) -> None:
         how = ("python experiments/moe_ptq_results.py --out ~/.cache/blockscale/runs/moe-ptq --only RTN "
                "--activations w4a16" if args.model == "moe-3m" else "python experiments/fetch_qwen_gguf.py --model 0.5b")
         raise SystemExit(f"--model {args.model}: {spec['path']} is missing; make it first with {how}")
-    lm = load_model(spec.get("path", args.model))
-    d = default_texts(spec.get("path", args.model))
-    d = dataclasses.replace(d, **{k: spec[k] for k in TEXT_OVERRIDES if k in spec})
+    spec, lm, d = model_and_texts(args.model)
     res = Results(out)
     meta = {"model": args.model, **{k: v for k, v in spec.items()}, "calib": d.calib, "bos": d.bos,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
