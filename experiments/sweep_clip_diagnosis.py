@@ -6,7 +6,7 @@ largest weight) that make rule "hessian" worse than RTN-6 on Qwen2.5-Coder-0.5B 
 
 MODEL is one of experiments/recovery_results.py's (same calibration and evaluation); prints the perplexity and
 the share of weight blocks whose chosen scale is below / above scale-to-6. ``--noclip`` runs the sweep with
-``fast_sweep_scales(..., clip=False)`` in place of the rule's (a diagnosis, not a library option).
+``fast_sweep_scales(..., clip=False)`` in place of the rule's (an option of the sweep that no PTQ rule uses).
 """
 from __future__ import annotations
 
