@@ -213,6 +213,14 @@ RUNS += [
     ("defaults with the lr retry (learn-scales --steps 50)", "GPTQ+4/6 (aware)", _RETRY50, (50,),
      {"qwen2.5-coder-0.5b/w4a16"}),
 ]
+# the next-token loss on the training text mixed into the KL (learn-scales --ce-weight W): on Qwen2.5-0.5B a lower KL
+# to the full-precision model did not give a lower perplexity (experiments/position_kl_diagnosis.py)
+RUNS += [(f"defaults with the lr retry, ce-weight {w:g} (learn-scales --ce-weight {w:g} --steps 50)", st,
+          dict(_RETRY50, ce_weight=w), (50,), where) for w in (0.5, 1.0)
+         for st, where in ((AGH, {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "smollm2-135m/w4a4"}),
+                           ("GPTQ+4/6 (aware)", {"qwen2.5-coder-0.5b/w4a16"}))]
+RUNS += [("defaults at a third of the lr, from GPTQ, ce-weight 1", "GPTQ",
+          dict(DEFAULTS, lr=1e-3, lr_weights=1e-3, ce_weight=1.0), (50,), {"qwen2.5-coder-0.5b/w4a16"})]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
 LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
@@ -299,7 +307,8 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
                                 min_lr_ratio=0.0, seed=0, out_dir=str(out / "train" / _dirname(key)), log_every=10,
                                 keep_best=held is not None, eval_loss="distill" if held is not None else "next_token",
                                 eval_every=s.get("select_every", 0) if held is not None else 0,
-                                ckpt_every=0, lr_retries=s.get("lr_retries", 0) if held is not None else 0)
+                                ckpt_every=0, lr_retries=s.get("lr_retries", 0) if held is not None else 0,
+                                ce_weight=s.get("ce_weight", 0.0))
         t = time.time()
         r = lsq.distill(student, lm.model, tokens, cfg, eval_tokens=held, resume=True, progress=False)
         train_s = time.time() - t
@@ -366,114 +375,8 @@ def run_all(args) -> None:
             run_lsq(lm, spec, d, res, out, tokens, f"{name} [{start}] | {acts}", start, s, milestones, acts)
 
 
-def _closed(ppl, rtn, fp):
-    return 100.0 * (rtn - ppl) / (rtn - fp) if rtn != fp else float("nan")
-
-
-def _label(s: dict) -> str:
-    mode = "tied" if s["mode"] == "tied" else ("dual, pre frozen" if s.get("lr_pre_factor", 1.0) == 0 else
-                                               f"dual {s['dual_form']}")
-    what = "scales and weights" if s.get("train") == "all" else "scales"
-    return f"{what}: {mode}, {s['param']}, {s['schedule']}"
-
-
-def _lrs(s: dict, r: Optional[dict] = None) -> str:
-    """The run's learning rates; with retries, each attempt's ("3e-3 / 3e-3, then 1e-3 / 1e-3")."""
-    if r is not None and len(r.get("attempts") or ()) > 1:
-        return ", then ".join(f"{a['lr_scales']:.0e}" + (f" / {a['lr_weights']:.0e}" if a["lr_weights"] else "")
-                              for a in r["attempts"])
-    return f"{s['lr']:g}" + (f" / {s['lr_weights']:g}" if s.get("train") == "all" else "")
-
-
-def _pipeline_table(res, model, acts, fp, rtn, start) -> list[str]:
-    lines = [f"### {acts.upper()}: the pipeline from {start}", "",
-             "| stage | ppl | gap closed | wall time (cumulative) | optimizer state |", "|---|---:|---:|---:|---:|",
-             f"| full precision | {fp:.4f} | | | |", f"| RTN-6 | {rtn:.4f} | 0% | | |"]
-    for c in PTQ_ROWS[model][acts]:
-        r = res.get(f"ptq {c} | {acts}")
-        if r is not None and c != start:
-            lines.append(f"| (PTQ: {c}) | {r['ppl']:.4f} | {_closed(r['ppl'], rtn, fp):.0f}% | {r['ptq_seconds']:.0f} s | |")
-    ptq = res.get(f"ptq {start} | {acts}")
-    if ptq is None:
-        return lines + [f"| (PTQ: {start}: not run) | | | | |", ""]
-    lines.append(f"| PTQ: {start} | {ptq['ppl']:.4f} | {_closed(ptq['ppl'], rtn, fp):.0f}% | {ptq['ptq_seconds']:.0f} s | |")
-    total = ptq["ptq_seconds"]
-    for m in (50, 100, 200):
-        r = res.get(f"pipeline [{start}] | {acts}@{m}")
-        if r is None:
-            continue
-        total += r["train_seconds_segment"]
-        lines.append(f"| + learned {_label(r['settings'])} (lr {_lrs(r['settings'])}), step {m} of 200 | {r['ppl']:.4f} | "
-                     f"{_closed(r['ppl'], rtn, fp):.0f}% | {total:.0f} s | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
-    for run, st in (("scales only", start), ("pipeline, batch 16", start), ("pipeline, 1 x 512-token windows", start),
-                    ("from RTN, learned scales and weights", "RTN-6")):
-        last = next(ms[-1] for name, _, _, ms, _ in RUNS if name == run)
-        for m in (50, 100, 200):
-            r = res.get(f"{run} [{st}] | {acts}@{m}")
-            if r is not None:
-                what = f"{run}: " if run.startswith("pipeline") else ""
-                lines.append(f"| ({what}{st} + learned {_label(r['settings'])}, step {m} of {last}) | {r['ppl']:.4f} | "
-                             f"{_closed(r['ppl'], rtn, fp):.0f}% | | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
-    return lines + [""]
-
-
-_TABLE_RUNS = ("pipeline", "scales only", "pipeline, batch 16", "pipeline, 1 x 512-token windows",
-               "from RTN, learned scales and weights")
-
-
-GENERATED_BY = ("Generated by `python experiments/recovery_results.py --model M --out runs/recovery-M` (per model) "
-                "then `python experiments/recovery_results.py --report-only runs/recovery-smollm2 "
-                "runs/recovery-stories260k --notes docs/results/recovery-reading.md > docs/results/recovery.md` (the "
-                "reading is written by hand).")
-
-
-def report(dirs, notes=None, title="Recovering the 4-bit loss: PTQ, then learned block scales and weights",
-           generated_by=GENERATED_BY) -> str:
-    lines = [f"# {title}", "", generated_by, ""]
-    for dd in dirs:
-        dd = Path(dd)
-        meta = json.loads((dd / "meta.json").read_text())
-        res = Results(dd)
-        fp = res.get("fp")["ppl"]
-        model = meta["model"]
-        ev = (f"first {meta['eval_tokens'] // meta['ctx']} windows of `{meta['eval']}`" if meta["eval_tokens"]
-              else f"all of `{meta['eval']}`")
-        lines += [f"## {model}", "",
-                  f"Evaluation: {ev}, ctx {meta['ctx']}. Calibration ({meta['calib_samples']} x {meta['calib_seq_len']} "
-                  f"tokens) and training ({meta['batch_size']} x {meta['train_seq_len']} tokens per step unless "
-                  f"stated, from {meta['train_samples']} windows) on `{meta['calib']}` (disjoint from the evaluation "
-                  f"text). Full precision: **{fp:.4f}**. Distillation: T^2 KL to the full-precision model (T = 1), "
-                  f"AdamW, clip 1.0; lr given as scales / weights; {meta['threads']} CPU threads, torch {meta['torch']}.",
-                  ""]
-        for acts in ("w4a16", "w4a4"):
-            rtn = res.get(f"ptq RTN-6 | {acts}")
-            if rtn is None:
-                continue
-            rtn = rtn["ppl"]
-            for start in PIPELINE_STARTS[acts]:
-                lines += _pipeline_table(res, model, acts, fp, rtn, start)
-            rows = [r for r in res.rows if r.get("activations") == acts and r.get("steps") is not None
-                    and r["run"] not in _TABLE_RUNS]
-            if rows:
-                lines += [f"### {acts.upper()}: variants (each its own schedule of the steps shown)", "",
-                          "| variant | start | steps | lr | ppl | gap closed | step kept | s/step | trainable | "
-                          "optimizer state |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-                for r in rows:
-                    s = r["settings"]
-                    name = f"{_label(s)} (the pipeline's, lr sweep)" if r["run"].startswith("lr ") else r["run"]
-                    kept = "last" if r.get("best_step") is None else r["best_step"]
-                    if len(r.get("attempts") or ()) > 1:
-                        kept = f"{kept} of retry {len(r['attempts']) - 1}"
-                    lines.append(f"| {name} | {r['start']} | {r['steps']} | {_lrs(s, r)} | {r['ppl']:.4f} | "
-                                 f"{_closed(r['ppl'], rtn, fp):.0f}% | {kept} | {r['seconds_per_step']:.2f} | "
-                                 f"{r['trainable_params']:,} | {r['optimizer_state_bytes'] / 2**20:.1f} MiB |")
-                lines.append("")
-    if notes:
-        lines += ["## Reading", "", Path(notes).read_text().strip(), ""]
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
+    import recovery_report  # (it imports this module's tables)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="stories260k", choices=sorted(MODELS))
     ap.add_argument("--out")
@@ -487,12 +390,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.report_only:
         kw = {k: v for k, v in (("title", args.title), ("generated_by", args.generated_by)) if v}
-        print(report(args.report_only, args.notes, **kw))
+        print(recovery_report.report(args.report_only, args.notes, **kw))
         return 0
     if not args.out:
         ap.error("--out is required (or --report-only)")
     run_all(args)
-    print(report([args.out]))
+    print(recovery_report.report([args.out]))
     return 0
 
 

@@ -12,7 +12,7 @@ evaluation windows and calibration text as experiments/recovery_results.py's Smo
 weights, 50 steps, held-out best step, the lr retry: ``learn-scales --steps 50``; experiments/recovery_results.py's
 "defaults with the lr retry") from that NVFP4 start, rotations fixed.
 Every result is one JSON line in OUT/results.jsonl; a rerun skips what is there. ``--only-format nvfp4`` /
-``--only-activations w4a4`` / ``--only-rotations none mr`` restrict the grid; ``--max-minutes M`` stops starting new cells after M minutes. Cells
+``--only-activations w4a4`` / ``--only-rotations none mr`` / ``--only-methods GPTQ`` restrict the grid; ``--max-minutes M`` stops starting new cells after M minutes. Cells
 run in ``CELLS`` order (NVFP4 W4A4 first: the issue's main goal). Gap closed = (ppl_RTN - ppl) / (ppl_RTN - ppl_fp)
 against unrotated RTN with the same format and activations.
 """
@@ -34,7 +34,7 @@ import recovery_results as rr  # noqa: E402  (the shared protocol)
 from recovery_results import MODELS, Results, _ppl  # noqa: E402
 
 from blockscale.models.hf import load_model  # noqa: E402
-from blockscale.ptq import PTQConfig  # noqa: E402
+from blockscale.ptq import GPTQOptions, PTQConfig  # noqa: E402
 from blockscale.ptq.config import DEFAULT_EXCLUDE  # noqa: E402
 from blockscale.ptq.pipeline import calibrate_and_quantize, default_texts  # noqa: E402
 from blockscale.recipes.ptq_recipe import KVCacheScheme, PTQRecipe, Scheme  # noqa: E402
@@ -44,8 +44,11 @@ ROTATIONS = ("none", "r4", "r1r2r4", "mr", "r1r2+mr")
 # (format, activations, method label) -> PTQConfig fields
 METHODS = {
     "nvfp4": {"RTN": dict(method="rtn"), "GPTQ": dict(method="gptq"), "RTN hessian": dict(method="rtn", scale_rule="hessian"),
-              "RTN 4/6": dict(method="rtn", scale_rule="4over6"), "GPTQ 4/6": dict(method="gptq", scale_rule="4over6")},
-    "mxfp4": {"RTN": dict(method="rtn"), "GPTQ": dict(method="gptq")},
+              "RTN 4/6": dict(method="rtn", scale_rule="4over6"), "GPTQ 4/6": dict(method="gptq", scale_rule="4over6"),
+              "GPTQ, 128 windows": dict(method="gptq", n_samples=128)},
+    "mxfp4": {"RTN": dict(method="rtn"), "GPTQ": dict(method="gptq"),
+              "GPTQ act-order": dict(method="gptq", options=GPTQOptions(act_order=True)),
+              "GPTQ, 128 windows": dict(method="gptq", n_samples=128)},
 }
 # the grid in the order it runs: (format, activations, method, rotations)
 CELLS = ([("nvfp4", "w4a4", m, ROTATIONS) for m in ("RTN", "GPTQ", "RTN hessian")]
@@ -53,6 +56,13 @@ CELLS = ([("nvfp4", "w4a4", m, ROTATIONS) for m in ("RTN", "GPTQ", "RTN hessian"
          + [("nvfp4", "w4a4", m, ("none", "r1r2r4", "mr")) for m in ("RTN 4/6", "GPTQ 4/6")]
          + [("nvfp4", "w4a16", m, ROTATIONS) for m in ("RTN", "GPTQ", "RTN hessian")]
          + [("mxfp4", "w4a16", m, ROTATIONS) for m in ("RTN", "GPTQ")])
+# online Hadamards larger than the quantization group on every Linear input (quip: the largest power of two that
+# divides each input, 64 / 512 on SmolLM2; block:64), where block-sized ones helped most (MXFP4 W4A4 GPTQ)
+EXTRA_ROTATIONS = ("quip", "block:64")
+CELLS += [("mxfp4", "w4a4", "GPTQ", EXTRA_ROTATIONS), ("mxfp4", "w4a4", "GPTQ act-order", ("block:64", "mr")),
+          ("nvfp4", "w4a4", "GPTQ", EXTRA_ROTATIONS)]
+# GPTQ's Hessians from 128 calibration windows instead of 32: the best MXFP4 W4A4 cell and its NVFP4 reference
+CELLS += [("mxfp4", "w4a4", "GPTQ, 128 windows", ("block:64",)), ("nvfp4", "w4a4", "GPTQ, 128 windows", ("none",))]
 # R3 only changes a quantized KV cache: NVFP4 W4A4 with the FP8 KV cache (per layer), format label "nvfp4+kv8"
 KV_ROTATIONS = ("none", "r3", "r1r2r4", "r1r2r3r4")
 KV_CELLS = [("nvfp4+kv8", "w4a4", m, KV_ROTATIONS) for m in ("RTN", "GPTQ")]
@@ -66,7 +76,7 @@ MOE_CELLS = [("nvfp4", a, m, ROTATIONS) for a in ("w4a4", "w4a16") for m in ("RT
 
 def _config(fmt: str, acts: str, method: str, rotate: str, spec) -> PTQConfig:
     fields = dict(METHODS["nvfp4" if fmt.startswith("bf16") else fmt.split("+")[0]][method])
-    common = dict(n_samples=spec["calib_samples"], seq_len=spec["calib_seq_len"],
+    common = dict(n_samples=fields.pop("n_samples", spec["calib_samples"]), seq_len=spec["calib_seq_len"],
                   skip_indivisible=spec["skip_indivisible"], rotate=rotate)
     if "+kv" in fmt:  # the grid's NVFP4 recipe (RTN / GPTQ: no scale rule to move) or bf16, plus a KV cache
         base, kv = fmt.split("+")
@@ -109,7 +119,8 @@ def run_all(args) -> None:
     t_start = time.time()
     cells = KV_CELLS if args.kv_cache else CELLS if args.model == MODEL else MOE_CELLS
     for fmt, acts, method, rotations in cells:
-        if (args.only_format and fmt != args.only_format) or (args.only_activations and acts != args.only_activations):
+        if (args.only_format and fmt != args.only_format) or (args.only_activations and acts != args.only_activations) \
+                or (args.only_methods and method not in args.only_methods):
             continue
         for rotate in rotations:
             if args.only_rotations and rotate not in args.only_rotations:
@@ -170,11 +181,12 @@ def _grid(res: Results, fp: float, fmts=("nvfp4", "mxfp4"), head="##") -> list[s
             rows = [r for r in res.rows if r.get("format") == fmt and r.get("activations") == acts]
             if not rows or rtn is None:
                 continue
+            cols = ROTATIONS + tuple(x for x in EXTRA_ROTATIONS if any(r.get("rotate") == x for r in rows))
             lines += [f"{head} {fmt.upper()} {acts.upper()} (RTN {rtn['ppl']:.4f})", "",
-                      "| method | " + " | ".join(ROTATIONS) + " |", "|---|" + "---|" * len(ROTATIONS)]
+                      "| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
             for method in METHODS[fmt]:
                 cells = []
-                for rot in ROTATIONS:
+                for rot in cols:
                     r = res.get(key_of(fmt, acts, method, rot))
                     cells.append("not run" if r is None else
                                  f"{r['ppl']:.4f} ({_closed(r['ppl'], rtn['ppl'], fp):.0f}%, {r['ptq_seconds']:.0f} s)")
@@ -273,7 +285,8 @@ def main(argv=None) -> int:
                     help=f"the grid runs on {MODEL}; moe-3m runs NVFP4 RTN / GPTQ with every rotation")
     ap.add_argument("--only-format", choices=("nvfp4", "mxfp4"))
     ap.add_argument("--only-activations", choices=("w4a4", "w4a16"))
-    ap.add_argument("--only-rotations", nargs="+", choices=sorted(set(ROTATIONS) | set(KV_ROTATIONS)))
+    ap.add_argument("--only-rotations", nargs="+", choices=sorted(set(ROTATIONS) | set(KV_ROTATIONS) | set(EXTRA_ROTATIONS)))
+    ap.add_argument("--only-methods", nargs="+", metavar="METHOD", help="these method rows only (e.g. 'GPTQ, 128 windows')")
     ap.add_argument("--kv-cache", action="store_true", help="run the FP8-KV-cache cells (R3) instead of the grid")
     ap.add_argument("--max-minutes", type=float, default=None)
     ap.add_argument("--pipeline-from", metavar="'METHOD|ROTATE'")
