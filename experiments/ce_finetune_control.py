@@ -30,18 +30,7 @@ import recovery_results as R  # noqa: E402
 
 from blockscale import lsq  # noqa: E402
 from blockscale.data.text_sources import calibration_batches  # noqa: E402
-
-
-def loss_of(student, teacher, x, ce_weight):
-    with torch.no_grad():
-        t = teacher(x).logits
-    return lsq.distill_loss(student(x).logits, t, x, 1.0, ce_weight)[0]
-
-
-def heldout(student, teacher, held, ce_weight) -> float:
-    with torch.no_grad():
-        return sum(float(loss_of(student, teacher, held[i:i + 4], ce_weight)) * held[i:i + 4].shape[0]
-                   for i in range(0, held.shape[0], 4)) / held.shape[0]
+from blockscale.lsq.distill import eval_distill_loss, window_loss  # noqa: E402
 
 
 def train(lm, tokens, held, steps, lr, ce_weight, every):
@@ -56,19 +45,20 @@ def train(lm, tokens, held, steps, lr, ce_weight, every):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warm if s < warm else
                                               0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
     g = torch.Generator().manual_seed(0)
-    best = (heldout(student, lm.model, held, ce_weight), 0, [p.detach().clone() for p in params])
+    cfg = lsq.DistillConfig(batch_size=4, seq_len=tokens.shape[1], ce_weight=ce_weight)  # the loss and its batches
+    best = (eval_distill_loss(student, lm.model, held, cfg), 0, [p.detach().clone() for p in params])
     losses = [[0, best[0]]]
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         x = tokens[torch.randint(0, tokens.shape[0], (4,), generator=g)]
-        loss = loss_of(student, lm.model, x, ce_weight)
+        loss = window_loss(student, lm.model, x, "cpu", cfg)[0]
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         if step % every == 0 or step == steps:
-            h = heldout(student, lm.model, held, ce_weight)
+            h = eval_distill_loss(student, lm.model, held, cfg)
             losses.append([step, h])
             if h < best[0]:
                 best = (h, step, [p.detach().clone() for p in params])

@@ -65,10 +65,7 @@ def heldout_losses(lm, spec, d, model: str, starts) -> int:
     held = lsq.split_holdout(tokens, lsq.RECOVERY_HOLDOUT)[1]
     cfg = lsq.DistillConfig(steps=1, batch_size=spec["batch_size"], seq_len=spec["train_seq_len"], eval_loss="distill")
     for start in starts:
-        student = copy.deepcopy(lm.model)
-        cfg_q = PTQConfig(activations="w4a16", n_samples=spec["calib_samples"], seq_len=spec["calib_seq_len"],
-                          skip_indivisible=spec["skip_indivisible"], **R.STARTS[start])
-        calibrate_and_quantize(student, lm.tokenizer, cfg_q, d.calib, d.calib_bos, progress=False, latent_weights={})
+        student = R._quantized(lm, start, "w4a16", spec, d, keep=False)[0]  # as the learned runs start
         with torch.no_grad():
             loss = eval_distill_loss(student, lm.model, held, cfg)
         print(json.dumps({"model": model, "start": start, "heldout_windows": list(held.shape),
