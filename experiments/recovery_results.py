@@ -204,9 +204,10 @@ RUNS += [
 _RETRY50 = dict(DEFAULTS, lr_retries=_CLI50.lr_retries)
 RUNS += [
     ("defaults with the lr retry (learn-scales --steps 50)", GH, _RETRY50, (50,),
-     {"stories260k/w4a16", "stories260k/w4a4"}),
+     {"stories260k/w4a16", "stories260k/w4a4", "qwen2.5-coder-0.5b/w4a16"}),
     ("defaults with the lr retry (learn-scales --steps 50)", AGH, _RETRY50, (50,),
-     {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "smollm2-135m/w4a4"}),
+     {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "smollm2-135m/w4a4", "qwen2.5-coder-0.5b/w4a16",
+      "moe-3m/w4a4"}),
     ("defaults with the lr retry (learn-scales --steps 200)", AGH, _cli_defaults(200, retry=True), (200,),
      {"smollm2-135m/w4a4"}),
     # Qwen's best PTQ (GPTQ with 4/6-aware group scales, 63%: the Hessian-aware rules lose there)

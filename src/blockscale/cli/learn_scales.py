@@ -18,11 +18,12 @@ from ..export.common import jsonable
 from .learn_scales_sharded import (add_sharding_flags, check_sharding_flags, return_large_frees,
                                    sharded_checkpoint_student, sharded_teacher, sharding_note, streamed_student,
                                    teacher_dtype)
+from .learn_scales_start import AUTO, auto_start, check_auto_start
 from .learn_scales_teacher import (check_loaded_vocabulary, resolve_model_teacher, resolve_teacher, same_model,
                                    teacher_from_metadata)
 from .quantize import (add_method_flags, given_method_flags, method_names, method_options, quantize_reported,
                        skip_indivisible)
-from .ranks import is_main_rank
+from .ranks import is_main_rank, rank_device
 from .rotation_flags import ROTATE_METAVAR, check_learn_scales_rotation
 from ..errors import UsageError
 from .learn_scales_defaults import (DEFAULT_LR_PRE_FACTOR, DEFAULT_LR_SCALES, DEFAULT_LR_SCALES_LOG, DEFAULT_LR_WEIGHTS,
@@ -30,13 +31,6 @@ from .learn_scales_defaults import (DEFAULT_LR_PRE_FACTOR, DEFAULT_LR_SCALES, DE
                                     DEFAULT_WEIGHT_UNITS, MAX_LR, default_ckpt_interval, default_holdout,
                                     default_lr_scales, default_lr_weights, default_select_every, default_warmup,
                                     scales_stuck)
-
-
-def _rank_device(device: str) -> str:
-    """Under torchrun plain "cuda" means this rank's GPU (cuda:LOCAL_RANK)."""
-    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return device
 
 
 def _init_recipe(args, is_ckpt: bool):
@@ -81,7 +75,7 @@ def _check_flags(args) -> str:
         raise UsageError("--fsdp needs a torchrun job with at least 2 processes (torchrun --nproc_per_node 2 -m "
                          "blockscale.cli learn-scales ...); without torchrun drop --fsdp")
     _check_schedule_flags(args)
-    device = _rank_device(check_device(args.device))
+    device = rank_device(check_device(args.device))
     check_sharding_flags(args, device)
     check_product(("--n-samples", args.n_samples), ("--seq-len", args.seq_len), what="training tokens")
     if args.holdout is not None and args.holdout >= args.n_samples:
@@ -94,6 +88,7 @@ def _check_flags(args) -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.holdout and getattr(args, "fsdp", False) and args.holdout % world:
         raise UsageError(f"--holdout {args.holdout}: with --fsdp a multiple of the {world} processes")
+    check_auto_start(args, holdout(args))
     check_product(("--batch-size", args.batch_size), ("--seq-len", args.seq_len), what="tokens per micro step")
     check_text(args.data, "--data")
     if args.eval not in (None, "default"):
@@ -107,7 +102,7 @@ def _ptq_config(args, recipe):
 
     flat = {} if recipe is not None else dict(scale_rule=args.scale_rule or "6",
                                               activations="w4a4" if args.w4a4 else "w4a16")
-    method = args.method or "rtn"
+    method = args.method if args.method not in (None, AUTO) else "rtn"  # (auto: each candidate sets its own)
     return PTQConfig(method=method, recipe=recipe, **flat, options=method_options(args, method),
                      skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
                      n_samples=args.n_samples, seq_len=args.seq_len, rotate=args.rotate or "none")
@@ -124,15 +119,20 @@ def _quantized_student(args, teacher_name: str, own_teacher: bool, recipe, defau
     if not own_teacher:
         check_loaded_vocabulary(args.model, teacher_name, base_lm, teacher_lm, compare_tokenizers=True)
     cfg = _ptq_config(args, recipe)
-    qs = lsq.quantize_student(base_lm.model, base_lm.tokenizer, cfg, defaults.calib, defaults.calib_bos,
-                              progress=show_progress(),
-                              run=lambda ptq: quantize_reported("blockscale learn-scales", ptq,
-                                                                defaulted=args.skip_indivisible is None))
+    run = lambda ptq: quantize_reported("blockscale learn-scales", ptq,  # noqa: E731
+                                        defaulted=args.skip_indivisible is None)
+    if args.method == AUTO:
+        qs, choice = auto_start(args, base_lm.model, base_lm.tokenizer, cfg, defaults, holdout(args), run,
+                                show_progress())
+    else:
+        qs, choice = lsq.quantize_student(base_lm.model, base_lm.tokenizer, cfg, defaults.calib, defaults.calib_bos,
+                                          progress=show_progress(), run=run), None
     if qs.dequantized:
         print(f"latent weights: {len(qs.weights) - len(qs.dequantized)} of {len(qs.weights)} Linears start from the "
               f"full-precision weights PTQ rounded, {len(qs.dequantized)} from their dequantized weights "
               f"({cfg.method}'s codes are not a rounding of one weight)", flush=True)
-    return qs.model, teacher_lm.model, base_lm.tokenizer, qs.weights, qs.report.to_dict()
+    report = dict(qs.report.to_dict(), **({"start_selection": choice} if choice else {}))
+    return qs.model, teacher_lm.model, base_lm.tokenizer, qs.weights, report
 
 
 def _distill_config(args, train_dir: Path):
@@ -444,9 +444,10 @@ def add_learn_scales(sub) -> None:
     p.add_argument("--data", help="training text (default: the model's calibration text)")
     number(p, "--n-samples", int, lo=1, hi=MAX_SAMPLES, default=256, help="training windows drawn from --data")
     number(p, "--seq-len", int, lo=2, hi=MAX_SEQ_LEN, default=256)
-    p.add_argument("--method", default=None, choices=method_names(),
+    p.add_argument("--method", default=None, choices=method_names() + (AUTO,),
                    help="PTQ method of the initialisation (model names only; default rtn; its options: the "
-                        "--awq-* / --gptq-* / ... flags, as for quantize)")
+                        "--awq-* / --gptq-* / ... flags, as for quantize); auto: each of lsq.START_CANDIDATES, "
+                        "keeping the lowest next-token loss on the held-out training windows")
     p.add_argument("--scale-rule", default=None, choices=("6", "4over6", "sweep", "hessian", "hessian-4over6"),
                    help="RTN init (model names only; default 6; with --recipe: its NVFP4 schemes' rule)")
     p.add_argument("--recipe", help="RTN init with a PTQ recipe (model names only): a built-in name (blockscale "

@@ -41,6 +41,13 @@ def is_main_rank() -> bool:
     return env_world()[0] == 0
 
 
+def rank_device(device: str) -> str:
+    """Under torchrun plain "cuda" means this rank's GPU (cuda:LOCAL_RANK)."""
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
 def _outcome(exc: BaseException, entered: bool) -> BaseException:
     """The error to report for ``exc``: when this process entered no synchronisation point yet, the one
     raised where it joins the other ranks' next (``agree``), else ``exc``."""
@@ -113,4 +120,4 @@ def ranked(prog: str, command: Callable, alone: tuple[str, ...] = ()) -> Callabl
     return run
 
 
-__all__ = ["is_main_rank", "ranked"]
+__all__ = ["is_main_rank", "rank_device", "ranked"]

@@ -12,10 +12,12 @@ from .recover import (QuantizedStudent, RecoveryConfig, RecoveryResult, ScaleSet
 from .recovery import (RECOVERY_ENABLE, RECOVERY_HOLDOUT, RECOVERY_LR_RETRIES, RECOVERY_LR_SCALES, RECOVERY_LR_WEIGHTS,
                        recovery_distill_config)
 from .scale_steps import steps_per_scale_step
+from .start_selection import START_CANDIDATES, StartCandidate, StartChoice, choose_start
 
 __all__ = ["DISTILL_TRAIN", "DUAL_FORMS", "LR_RETRY_FACTOR", "LR_SCHEDULES", "LSQ_PARAMS", "WEIGHT_UNITS", "DistillConfig", "DistillTask", "distill", "distill_loss", "eval_next_token_loss",
            "load_distill_checkpoint", "ENABLE_INITS", "LSQExperts", "LSQLinear", "LSQ_INITS", "LSQ_MODES",
            "NVFP4ExpertsScaleLearner", "NVFP4ScaleLearner", "enable", "exact_latent_weights", "freeze", "learner_modules", "lsq_fake_quantize",
            "lsq_layers", "QuantizedStudent", "RecoveryConfig", "RecoveryResult", "ScaleSetupError", "is_main_rank",
            "perplexity_evaluator", "quantize_student", "recover", "split_holdout", "RECOVERY_ENABLE", "RECOVERY_HOLDOUT", "RECOVERY_LR_RETRIES", "RECOVERY_LR_SCALES", "RECOVERY_LR_WEIGHTS", "recovery_distill_config", "retry_config",
-           "scale_parameters", "steps_per_scale_step", "weight_parameters"]
+           "scale_parameters", "steps_per_scale_step", "weight_parameters", "START_CANDIDATES", "StartCandidate",
+           "StartChoice", "choose_start"]
