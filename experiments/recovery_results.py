@@ -220,6 +220,10 @@ RUNS += [(f"defaults with the lr retry, ce-weight {w:g} (learn-scales --ce-weigh
           dict(_RETRY50, ce_weight=w), (50,), where) for w in (0.5, 1.0)
          for st, where in ((AGH, {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "smollm2-135m/w4a4"}),
                            ("GPTQ+4/6 (aware)", {"qwen2.5-coder-0.5b/w4a16"}))]
+# longer training windows, the same training tokens (512 x 128 in 128 windows of 512; 512 tokens a step): do the
+# 128-token windows cap recovery on a 1024-token evaluation? (learn-scales --batch-size 1 --seq-len 512)
+RUNS += [("defaults with the lr retry, 1 x 512-token windows (learn-scales --batch-size 1 --seq-len 512 --steps 50)",
+          "RTN hessian", dict(_RETRY50, batch_size=1, seq_len=512), (50,), {"smollm2-135m/w4a16", "smollm2-135m/w4a4"})]
 RUNS += [("defaults at a third of the lr, from GPTQ, ce-weight 1", "GPTQ",
           dict(DEFAULTS, lr=1e-3, lr_weights=1e-3, ce_weight=1.0), (50,), {"qwen2.5-coder-0.5b/w4a16"})]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only

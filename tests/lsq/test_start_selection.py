@@ -108,11 +108,30 @@ def test_learn_scales_method_auto_reports_every_candidate_and_starts_from_the_lo
     (["--gptq-damp", "0.1"], "--gptq-damp: --method auto tries its own PTQ starts"),
     (["--holdout", "0"], "--method auto chooses the start by the loss on the held-out training windows"),
     (["--n-samples", "8"], "by default for --n-samples 8"),
+    (["--candidates", "RTN hessian,GPTQ"], "'GPTQ' is not a start; allowed (comma-separated): RTN hessian, GPTQ"),
+    (["--candidates", "RTN hessian, RTN hessian"], "'RTN hessian' is named twice"),
 ])
 def test_learn_scales_method_auto_refusals_are_one_line(tmp_path, capsys, flags, why):
     code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--method", "auto", *flags,
                              "--out", tmp_path / "o"], capsys)
     assert code == 2 and why in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_learn_scales_candidates_tries_only_those_in_their_order(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--method", "auto", "--candidates",
+                             "GPTQ hessian, RTN hessian", "--steps", "1", "--holdout", "8", "--out", out], capsys)
+    assert code == 0, err
+    sel = json.loads((out / "lsq_report.json").read_text())["ptq"]["start_selection"]
+    assert [c["label"] for c in sel["candidates"]] == ["GPTQ hessian", "RTN hessian"]
+    assert stdout.count("held-out next-token loss") == 2 and "AWQ" not in stdout
+
+
+def test_learn_scales_candidates_needs_method_auto(tmp_path, capsys):
+    code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--method", "gptq", "--candidates",
+                             "RTN hessian", "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "--candidates 'RTN hessian': only with --method auto" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
 def test_each_candidate_keeps_the_runs_activations_rotation_and_calibration():

@@ -19,7 +19,7 @@ from blockscale.ptq.capture import capture_first_layer_inputs, run_layer
 from blockscale.ptq.hessian_scales import HessianScales
 from blockscale.ptq.methods.gptq import gptq_quantize
 from blockscale.ptq.statistics import HessianAccumulator
-from blockscale.quant import NVFP4
+from blockscale.quant import NVFP4, quantize
 from blockscale.quant.nvfp4 import outer_scale, shared_outer_scale
 from blockscale.quant.nvfp4.weighted import WEIGHTED_RULES, quantize_weighted
 
@@ -75,6 +75,11 @@ def test_diagonal_hessian_is_rtn_with_the_rule_bit_for_bit(rule, order):
     ref = quantize_weighted(w0, rule, S, diag)
     _same(q, ref)
     assert q.spec == spec and st["dead_columns"] == 1
+    if rule == "hessian-4over6":  # the share of blocks at scale-to-4, counted from the stored scales
+        s6, s4 = (quantize(w0, NVFP4(r), encode_scale=S).scales.float() for r in ("6", "4"))
+        chose4 = (q.scales.float() == s4) & (s4 != s6)
+        assert st["frac_scale4"] == pytest.approx(float(chose4.double().mean()), abs=1e-12)
+        assert st["frac_scale4"] > 0.05
     # and the weights changed the choice: the unweighted base rule picks other scales somewhere
     base, _ = gptq_quantize(w, H, spec, S, opts)
     assert not torch.equal(base.scales.view(torch.uint8), q.scales.view(torch.uint8))
@@ -94,6 +99,7 @@ def test_unit_channel_weights_are_gptq_with_the_base_rule(rule, base_rule, opts)
     ref, st_ref = gptq_quantize(w, H, spec, S, opts)
     _same(q, ref)
     assert torch.equal(st["latent"], st_ref["latent"])
+    assert st["frac_scale4"] == st_ref["frac_scale4"]
 
 
 def test_weighted_rule_lowers_the_weighted_error_on_outlier_inputs():

@@ -18,7 +18,7 @@ from ..export.common import jsonable
 from .learn_scales_sharded import (add_sharding_flags, check_sharding_flags, return_large_frees,
                                    sharded_checkpoint_student, sharded_teacher, sharding_note, streamed_student,
                                    teacher_dtype)
-from .learn_scales_start import AUTO, auto_start, check_auto_start
+from .learn_scales_start import AUTO, add_candidates_argument, auto_start, check_auto_start
 from .learn_scales_teacher import (check_loaded_vocabulary, resolve_model_teacher, resolve_teacher, same_model,
                                    teacher_from_metadata)
 from .quantize import (add_method_flags, given_method_flags, method_names, method_options, quantize_reported,
@@ -448,6 +448,7 @@ def add_learn_scales(sub) -> None:
                    help="PTQ method of the initialisation (model names only; default rtn; its options: the "
                         "--awq-* / --gptq-* / ... flags, as for quantize); auto: each of lsq.START_CANDIDATES, "
                         "keeping the lowest next-token loss on the held-out training windows")
+    add_candidates_argument(p)
     p.add_argument("--scale-rule", default=None, choices=("6", "4over6", "sweep", "hessian", "hessian-4over6"),
                    help="RTN init (model names only; default 6; with --recipe: its NVFP4 schemes' rule)")
     p.add_argument("--recipe", help="RTN init with a PTQ recipe (model names only): a built-in name (blockscale "

@@ -14,11 +14,40 @@ def candidate_names() -> str:
     return ", ".join(c.label for c in START_CANDIDATES)
 
 
+def add_candidates_argument(p) -> None:
+    p.add_argument("--candidates", default=None, metavar="LABEL,...",
+                   help=f"with --method auto: the starts to try, comma-separated, in the order given (a tie keeps the "
+                        f"earlier; default every one: {candidate_names()})")
+
+
+def selected_candidates(args) -> tuple:
+    """The ``lsq.START_CANDIDATES`` named by ``--candidates`` (all of them when not given); UsageError for an
+    unknown or repeated label."""
+    from ..lsq.start_selection import START_CANDIDATES
+
+    if args.candidates is None:
+        return START_CANDIDATES
+    by_label = {c.label: c for c in START_CANDIDATES}
+    labels = [x.strip() for x in args.candidates.split(",")]
+    bad = [x for x in labels if x not in by_label]
+    if bad or not labels:
+        raise UsageError(f"--candidates {args.candidates!r}: {bad[0]!r} is not a start; allowed (comma-separated): "
+                         f"{candidate_names()}")
+    repeated = [x for i, x in enumerate(labels) if x in labels[:i]]
+    if repeated:
+        raise UsageError(f"--candidates {args.candidates!r}: {repeated[0]!r} is named twice")
+    return tuple(by_label[x] for x in labels)
+
+
 def check_auto_start(args, holdout: int) -> None:
     """The flags --method auto cannot be combined with, before anything loads (``holdout``: the held-out windows
     the run will have)."""
     if args.method != AUTO:
+        if args.candidates is not None:
+            raise UsageError(f"--candidates {args.candidates!r}: only with --method auto (it lists the starts that "
+                             "--method auto tries)")
         return
+    selected_candidates(args)
     clash = [f for f, v in (("--scale-rule", args.scale_rule), ("--recipe", args.recipe)) if v]
     clash += given_method_flags(args)
     if clash:
@@ -44,13 +73,15 @@ def auto_start(args, model, tokenizer, base, defaults, holdout: int, run, progre
     tokens = calibration_batches(tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
                                  seed=args.seed, bos=defaults.calib_bos)
     held = lsq.split_holdout(tokens, holdout)[1]
-    print(f"--method auto: quantizing with each of {candidate_names()}; keeping the lowest next-token loss on the "
-          f"{held.shape[0]} held-out training windows", flush=True)
-    choice = choose_start(model, tokenizer, base, defaults.calib, held, defaults.calib_bos,
+    candidates = selected_candidates(args)
+    print(f"--method auto: quantizing with each of {', '.join(c.label for c in candidates)}; keeping the lowest "
+          f"next-token loss on the {held.shape[0]} held-out training windows", flush=True)
+    choice = choose_start(model, tokenizer, base, defaults.calib, held, defaults.calib_bos, candidates,
                           batch_size=args.batch_size, progress=progress, run=run,
                           log=lambda line: print(line, flush=True))
     print(f"start: {choice.label}", flush=True)
     return choice.student, choice.to_dict()
 
 
-__all__ = ["AUTO", "auto_start", "candidate_names", "check_auto_start"]
+__all__ = ["AUTO", "add_candidates_argument", "auto_start", "candidate_names", "check_auto_start",
+           "selected_candidates"]

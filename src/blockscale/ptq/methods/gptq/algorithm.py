@@ -204,6 +204,7 @@ def _gptq(weight, H, spec, encode_scale, options, weighted_rule=None, d=None):
     rule = spec.scale_rule if weighted_rule is None else weighted_rule
     if dcol is not None and n_dead:
         dcol = torch.where(torch.diagonal(H).to(dcol.device) == 0, torch.zeros_like(dcol), dcol)
+    four6 = rule in ("4over6", "hessian-4over6")  # two candidates: report the share of blocks at scale-to-4
     aware = rule == "4over6" and options.four_over_six == "aware" and not static
     dev = W.device
 
@@ -211,7 +212,7 @@ def _gptq(weight, H, spec, encode_scale, options, weighted_rule=None, d=None):
     n4 = torch.zeros((), dtype=torch.float64, device=dev)
     if static:  # every block scale from the original weights, then the columns in processing order
         scales = _block_scales(W, spec, rule, S, dcol)
-        if rule == "4over6":
+        if four6:
             s6, s4 = _block_scales(W, spec, "6", S), _block_scales(W, spec, "4", S)
             n4 = ((scales == s4) & (s4 != s6)).sum().double()
         scol = scales.repeat_interleave(BLOCK, dim=1)
@@ -247,9 +248,8 @@ def _gptq(weight, H, spec, encode_scale, options, weighted_rule=None, d=None):
                 n4 += pick4.sum()
             else:  # [N, 1], from the current weights (a Hessian-aware rule: this block's channel weights)
                 s = _block_scales(Wg, spec, rule, S, None if dcol is None else dcol[c1:c2])
-                if rule == "4over6":
-                    s6, s4 = _block_scales(Wg, spec, "6", S), _block_scales(Wg, spec, "4", S)
-                    n4 += ((s == s4) & (s != s6)).sum()
+                if four6:  # s is scale-to-6 or scale-to-4: a block at 4 is one whose scale is not scale-to-6
+                    n4 += (s != _block_scales(Wg, spec, "6", S)).sum()
                 scales[:, c1 // BLOCK] = s.squeeze(-1)
                 q, e, p = _segment(Wg, Ug, s.expand(N, BLOCK), inv_S)
             Q[:, c1:c2] = q
@@ -265,7 +265,7 @@ def _gptq(weight, H, spec, encode_scale, options, weighted_rule=None, d=None):
         Q, E, P = Q[:, inv], E[:, inv], P[:, inv]
     stats = {
         "loss": float(E.double().square().sum()),
-        "frac_scale4": float(n4) / max(N * nb, 1) if rule == "4over6" else 0.0,
+        "frac_scale4": float(n4) / max(N * nb, 1) if four6 else 0.0,
         "dead_columns": n_dead,
         "seconds": time.perf_counter() - t0,
     }
@@ -281,7 +281,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: NVFP4, encode_sca
     Returns ``(q, stats)``: ``q`` a QuantizedTensor (dtype = weight's dtype) whose
     ``q.dequantize()`` is the GPTQ result bit for bit; ``stats`` = {"loss": total GPTQ loss
     ``sum ((w - q)/d)^2``, "frac_scale4": fraction of blocks at their scale-to-4 candidate
-    (4over6; 0 otherwise), "dead_columns": inputs with H_ii == 0 (their weights were zeroed),
+    (4over6 and hessian-4over6; 0 otherwise), "dead_columns": inputs with H_ii == 0 (their weights were zeroed),
     "seconds": wall time, "latent": the FP32 [N, K] values the loop rounded (each column after the error
     feedback of the earlier ones): their rounding with ``q``'s scales is ``q``'s codes, so scale learning can
     start from them (``QuantizedWeight.latent``)}. See the module docstring for the exact semantics.
