@@ -30,7 +30,7 @@ def selected_candidates(args) -> tuple:
     by_label = {c.label: c for c in START_CANDIDATES}
     labels = [x.strip() for x in args.candidates.split(",")]
     bad = [x for x in labels if x not in by_label]
-    if bad or not labels:
+    if bad:
         raise UsageError(f"--candidates {args.candidates!r}: {bad[0]!r} is not a start; allowed (comma-separated): "
                          f"{candidate_names()}")
     repeated = [x for i, x in enumerate(labels) if x in labels[:i]]

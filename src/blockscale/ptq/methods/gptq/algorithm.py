@@ -248,8 +248,6 @@ def _gptq(weight, H, spec, encode_scale, options, weighted_rule=None, d=None):
                 n4 += pick4.sum()
             else:  # [N, 1], from the current weights (a Hessian-aware rule: this block's channel weights)
                 s = _block_scales(Wg, spec, rule, S, None if dcol is None else dcol[c1:c2])
-                if four6:  # s is scale-to-6 or scale-to-4: a block at 4 is one whose scale is not scale-to-6
-                    n4 += (s != _block_scales(Wg, spec, "6", S)).sum()
                 scales[:, c1 // BLOCK] = s.squeeze(-1)
                 q, e, p = _segment(Wg, Ug, s.expand(N, BLOCK), inv_S)
             Q[:, c1:c2] = q
@@ -260,6 +258,8 @@ def _gptq(weight, H, spec, encode_scale, options, weighted_rule=None, d=None):
         if i2 < K:
             W[:, i2:] -= E[:, i1:i2] @ U[i1:i2, i2:]
 
+    if four6 and not static and not aware:  # each scale is scale-to-6 or scale-to-4 of the values it rounded (P)
+        n4 = (scales != _block_scales(P, spec, "6", S)).sum().double()
     if perm is not None:
         inv = torch.argsort(perm)
         Q, E, P = Q[:, inv], E[:, inv], P[:, inv]
