@@ -158,3 +158,9 @@ def test_quantize_with_a_recipe_prints_the_schemes_and_folds_the_skipped_linears
     # stories260K's down_proj (in_features 172) is not whole MX blocks of 32: one warning line
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "not a multiple of 32: model.layers.*.mlp.down_proj (5)" in lines[0], err
+
+
+def test_quantize_refuses_an_activation_rule_without_w4a4_activations(quantize_argv, capsys):
+    """--act-scale-rule without --w4a4 (or a recipe) has no activations to act on: refused, not silently dropped."""
+    _one_error_line(_run(quantize_argv + ["--act-scale-rule", "4over6"], capsys), "quantize",
+                    "--act-scale-rule 4over6", "--w4a4")

@@ -51,6 +51,19 @@ def resolve_ptq_recipe(value: str, flag: str = "--recipe"):
         raise UsageError(f"{prefix}{' '.join(str(exc).split())}") from None
 
 
+def with_nvfp4_flags(recipe, args, keys):
+    """``recipe`` with each of ``keys`` (scale_rule, error, act_scale_rule) given on the command line set on its NVFP4
+    schemes; a recipe without such a scheme is a UsageError naming the flag."""
+    for key in keys:
+        value = getattr(args, key, None)
+        if value is not None:
+            try:
+                recipe = recipe.with_nvfp4(**{key: value})
+            except UsageError as exc:
+                raise UsageError(f"--{key.replace('_', '-')} {value}: {exc}") from None
+    return recipe
+
+
 def is_ptq_recipe_file(path) -> bool:
     """Whether ``path`` is a YAML file holding a PTQ recipe (PTQ-only keys such as ``default`` / ``rules``
     and none of a training recipe's); False for anything unreadable (the training loader then reports it)."""
@@ -140,6 +153,6 @@ def add_common(p, threads: bool = True) -> None:
         number(p, "--threads", int, lo=1, hi=MAX_THREADS, help="torch CPU threads")
 
 
-__all__ = ["DEBUG_HELP", "add_common", "add_skip_indivisible", "check_eval_ctx", "checkpoint_formats",
+__all__ = ["DEBUG_HELP", "with_nvfp4_flags", "add_common", "add_skip_indivisible", "check_eval_ctx", "checkpoint_formats",
            "is_ptq_recipe_file", "local_path", "parse_dtype", "resolve_ptq_recipe", "resolve_recipe", "setup",
            "show_progress"]

@@ -12,45 +12,25 @@ from pathlib import Path
 
 from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS, check_device,
                          check_model, check_out, check_product, check_run_dir, check_text, number)
-from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, local_path,
-                     resolve_ptq_recipe, setup, show_progress)
+from .common import (add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats, local_path, setup,
+                     show_progress)
 from ..export.common import jsonable
 from .learn_scales_sharded import (add_sharding_flags, check_sharding_flags, return_large_frees,
                                    sharded_checkpoint_student, sharded_teacher, sharding_note, streamed_student,
                                    teacher_dtype)
+from .learn_scales_init import add_init_arguments, init_recipe, ptq_config
 from .learn_scales_start import AUTO, add_candidates_argument, auto_start, check_auto_start
 from .learn_scales_teacher import (check_loaded_vocabulary, resolve_model_teacher, resolve_teacher, same_model,
                                    teacher_from_metadata)
-from .quantize import (add_method_flags, given_method_flags, method_names, method_options, quantize_reported,
-                       skip_indivisible)
+from .quantize import add_method_flags, method_names, quantize_reported
 from .ranks import is_main_rank, rank_device
-from .rotation_flags import ROTATE_METAVAR, check_learn_scales_rotation
+from .rotation_flags import check_learn_scales_rotation
 from ..errors import UsageError
 from .learn_scales_defaults import (DEFAULT_LR_PRE_FACTOR, DEFAULT_LR_SCALES, DEFAULT_LR_SCALES_LOG, DEFAULT_LR_WEIGHTS,
                                     DEFAULT_LR_WEIGHTS_BLOCK, DEFAULT_MODE, DEFAULT_PARAM, DEFAULT_SCHEDULE,
                                     DEFAULT_WEIGHT_UNITS, MAX_LR, default_ckpt_interval, default_holdout,
                                     default_lr_scales, default_lr_weights, default_select_every, default_warmup,
                                     scales_stuck)
-
-
-def _init_recipe(args, is_ckpt: bool):
-    """The PTQ recipe of the RTN initialisation (--recipe, with an explicit --scale-rule applied to its NVFP4
-    schemes); None without --recipe. A checkpoint input was quantized already: --recipe / --scale-rule /
-    --w4a4 are usage errors there."""
-    if is_ckpt:
-        given = [f for f, v in (("--recipe", args.recipe), ("--scale-rule", args.scale_rule), ("--w4a4", args.w4a4),
-                                ("--method", args.method), ("--rotate", args.rotate)) if v]
-        given += given_method_flags(args)
-        if given:
-            raise UsageError(f"{', '.join(given)}: the input {args.model} is a quantized checkpoint already; these "
-                             "flags choose the PTQ initialisation of a model name")
-        return None
-    if args.recipe is None:
-        return None
-    if args.w4a4:
-        raise UsageError("--w4a4 cannot be combined with --recipe: the recipe sets each scheme's activations")
-    recipe = resolve_ptq_recipe(args.recipe)
-    return recipe.with_nvfp4(scale_rule=args.scale_rule) if args.scale_rule else recipe
 
 
 def _check_schedule_flags(args) -> None:
@@ -96,18 +76,6 @@ def _check_flags(args) -> str:
     return device
 
 
-def _ptq_config(args, recipe):
-    """The PTQ initialisation of a model-name input (--method / --recipe / --scale-rule / --w4a4)."""
-    from ..ptq import PTQConfig
-
-    flat = {} if recipe is not None else dict(scale_rule=args.scale_rule or "6",
-                                              activations="w4a4" if args.w4a4 else "w4a16")
-    method = args.method if args.method not in (None, AUTO) else "rtn"  # (auto: each candidate sets its own)
-    return PTQConfig(method=method, recipe=recipe, **flat, options=method_options(args, method),
-                     skip_indivisible=skip_indivisible(args.skip_indivisible, args.model),
-                     n_samples=args.n_samples, seq_len=args.seq_len, rotate=args.rotate or "none")
-
-
 def _quantized_student(args, teacher_name: str, own_teacher: bool, recipe, defaults, device: str):
     """(student, teacher, tokenizer, latent weights, PTQ report) of a model-name input: the student is the model
     quantized here (``lsq.quantize_student``), the teacher the model itself unless --teacher names another."""
@@ -118,7 +86,7 @@ def _quantized_student(args, teacher_name: str, own_teacher: bool, recipe, defau
     teacher_lm = base_lm if own_teacher else load_model(teacher_name, device=device)
     if not own_teacher:
         check_loaded_vocabulary(args.model, teacher_name, base_lm, teacher_lm, compare_tokenizers=True)
-    cfg = _ptq_config(args, recipe)
+    cfg = ptq_config(args, recipe)
     run = lambda ptq: quantize_reported("blockscale learn-scales", ptq,  # noqa: E731
                                         defaulted=args.skip_indivisible is None)
     if args.method == AUTO:
@@ -177,6 +145,8 @@ def _run_record(args, is_ckpt: bool, recipe, teacher_name: str) -> dict:
         record.update(param=args.param, dual_form=args.dual_form)
     if args.learn_input_scales:
         record["learn_input_scales"] = True
+    if args.act_scale_rule not in (None, "6"):
+        record["act_scale_rule"] = args.act_scale_rule
     if args.train == "all" and args.weight_units != "raw":
         record["weight_units"] = args.weight_units
     return record
@@ -317,7 +287,7 @@ def _learn(args, is_ckpt, recipe, teacher_name, own_teacher, defaults, device, d
         if args.fsdp:
             student, enabled = sharded_checkpoint_student(student, recovery, args), True
     elif student_sharded:
-        built, tokenizer, ptq_report = streamed_student(args, _ptq_config(args, recipe), defaults, recovery,
+        built, tokenizer, ptq_report = streamed_student(args, ptq_config(args, recipe), defaults, recovery,
                                                         show_progress() and is_main_rank())
         student, enabled = built.model, True
         if built.dequantized and is_main_rank():
@@ -348,7 +318,7 @@ def cmd_learn_scales(args) -> int:
     device = _check_flags(args)
     path = Path(args.model)
     is_ckpt = path.is_dir() and is_blockscale_checkpoint(path)
-    recipe = _init_recipe(args, is_ckpt)
+    recipe = init_recipe(args, is_ckpt)
     teacher_name = resolve_teacher(args, path) if is_ckpt else resolve_model_teacher(args)
     own_teacher = not is_ckpt and same_model(teacher_name, args.model)
     if not own_teacher:  # before anything loads: the vocabularies the two configs declare
@@ -449,14 +419,7 @@ def add_learn_scales(sub) -> None:
                         "--awq-* / --gptq-* / ... flags, as for quantize); auto: each of lsq.START_CANDIDATES, "
                         "keeping the lowest next-token loss on the held-out training windows")
     add_candidates_argument(p)
-    p.add_argument("--scale-rule", default=None, choices=("6", "4over6", "sweep", "hessian", "hessian-4over6"),
-                   help="RTN init (model names only; default 6; with --recipe: its NVFP4 schemes' rule)")
-    p.add_argument("--recipe", help="RTN init with a PTQ recipe (model names only): a built-in name (blockscale "
-                                    "recipes --ptq) or a YAML file; only its NVFP4 modules learn their scales")
-    p.add_argument("--w4a4", action="store_true", help="PTQ init with NVFP4 activations (model names only)")
-    p.add_argument("--rotate", default=None, metavar=ROTATE_METAVAR,
-                   help="rotations before the PTQ init (model names only; as quantize --rotate; fixed while learning). "
-                        "A rotated checkpoint input keeps its rotations")
+    add_init_arguments(p)
     p.add_argument("--learn-input-scales", action="store_true",
                    help="W4A4: learn each Linear's activation outer scale too (its clipping level; docs/lsq.md)")
     add_skip_indivisible(p)

@@ -17,7 +17,7 @@ from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_
                          check_text, number)
 from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats,
                      is_ptq_recipe_file, local_path, parse_dtype, resolve_ptq_recipe, resolve_recipe, setup,
-                     show_progress)
+                     show_progress, with_nvfp4_flags)
 from .auto_recipe import add_auto_recipe_flags, auto_recipe_config, run_auto_recipe, write_auto_recipe
 from .learn_scales_defaults import DEFAULT_LR_WEIGHTS_BLOCK
 from .reporting import ArgumentParser, run_reported
@@ -78,14 +78,7 @@ def _quantize_recipe(args):
         if getattr(args, flag):
             raise UsageError(f"--{flag.replace('_', '-')} cannot be combined with --recipe: the recipe sets each "
                              "scheme's activations")
-    recipe = resolve_ptq_recipe(args.recipe)
-    for key in ("scale_rule", "error", "act_scale_rule"):
-        value = getattr(args, key)
-        if value is not None:
-            try:
-                recipe = recipe.with_nvfp4(**{key: value})
-            except UsageError as exc:
-                raise UsageError(f"--{key.replace('_', '-')} {value}: {exc}") from None
+    recipe = with_nvfp4_flags(resolve_ptq_recipe(args.recipe), args, ("scale_rule", "error", "act_scale_rule"))
     extra = tuple(p for p in args.exclude or () if p not in recipe.ignore)
     return recipe.replace(ignore=recipe.ignore + extra) if extra else recipe
 
@@ -122,6 +115,9 @@ def _check_quantize(args):
         check_text(args.eval, "--eval")
     _check_max_shard_size(args.max_shard_size)
     _check_excludes(args.exclude)
+    if args.act_scale_rule is not None and not (args.w4a4 or args.recipe or getattr(args, "auto_recipe", None)):
+        raise UsageError(f"--act-scale-rule {args.act_scale_rule}: sets the rule of the W4A4 activations' block "
+                         "scales; add --w4a4 (or a W4A4 --recipe)")
     check_rotate(args.rotate)
     args.streaming_note = check_streaming_flags(args)  # streams by default; the line when it cannot
     src = local_path(args.model)
