@@ -64,6 +64,14 @@ def with_nvfp4_flags(recipe, args, keys):
     return recipe
 
 
+def check_act_scale_rule(args) -> None:
+    """--act-scale-rule acts on W4A4 activations: refused without --w4a4, a --recipe or --auto-recipe (nothing to
+    act on, and dropping it silently would hide the mistake)."""
+    if args.act_scale_rule is not None and not (args.w4a4 or args.recipe or getattr(args, "auto_recipe", None)):
+        raise UsageError(f"--act-scale-rule {args.act_scale_rule}: sets the rule of the W4A4 activations' block "
+                         "scales; add --w4a4 (or a W4A4 --recipe)")
+
+
 def is_ptq_recipe_file(path) -> bool:
     """Whether ``path`` is a YAML file holding a PTQ recipe (PTQ-only keys such as ``default`` / ``rules``
     and none of a training recipe's); False for anything unreadable (the training loader then reports it)."""
@@ -153,6 +161,6 @@ def add_common(p, threads: bool = True) -> None:
         number(p, "--threads", int, lo=1, hi=MAX_THREADS, help="torch CPU threads")
 
 
-__all__ = ["DEBUG_HELP", "with_nvfp4_flags", "add_common", "add_skip_indivisible", "check_eval_ctx", "checkpoint_formats",
+__all__ = ["DEBUG_HELP", "add_common", "check_act_scale_rule", "add_skip_indivisible", "check_eval_ctx", "checkpoint_formats",
            "is_ptq_recipe_file", "local_path", "parse_dtype", "resolve_ptq_recipe", "resolve_recipe", "setup",
-           "show_progress"]
+           "show_progress", "with_nvfp4_flags"]

@@ -5,12 +5,11 @@ flags are refused there."""
 from __future__ import annotations
 
 from ..errors import UsageError
-from .common import resolve_ptq_recipe, with_nvfp4_flags
+from ..ptq.config import ACT_SCALE_RULES
+from .common import check_act_scale_rule, resolve_ptq_recipe, with_nvfp4_flags
 from .learn_scales_start import AUTO
 from .quantize import given_method_flags, method_options, skip_indivisible
 from .rotation_flags import ROTATE_METAVAR
-
-ACT_SCALE_RULES = ("6", "4over6")
 
 
 def add_init_arguments(p) -> None:
@@ -44,10 +43,8 @@ def init_recipe(args, is_ckpt: bool):
     if args.act_scale_rule == "4over6" and args.learn_input_scales:
         raise UsageError("--learn-input-scales learns the activations' outer scale under the block-scale rule 6; "
                          "drop it or --act-scale-rule 4over6")
+    check_act_scale_rule(args)
     if args.recipe is None:
-        if args.act_scale_rule is not None and not args.w4a4:
-            raise UsageError(f"--act-scale-rule {args.act_scale_rule}: sets the rule of the W4A4 activations' block "
-                             "scales; add --w4a4 (or a W4A4 --recipe)")
         return None
     if args.w4a4:
         raise UsageError("--w4a4 cannot be combined with --recipe: the recipe sets each scheme's activations")
@@ -68,4 +65,4 @@ def ptq_config(args, recipe):
                      n_samples=args.n_samples, seq_len=args.seq_len, rotate=args.rotate or "none")
 
 
-__all__ = ["ACT_SCALE_RULES", "add_init_arguments", "init_recipe", "ptq_config"]
+__all__ = ["add_init_arguments", "init_recipe", "ptq_config"]

@@ -15,9 +15,9 @@ from ..version import __version__
 from .checks import (MAX_BATCH, MAX_EVAL_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_SEQ_LEN, MAX_STEPS,
                          check_device, check_model, check_numbers, check_out, check_product, check_run_dir,
                          check_text, number)
-from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_eval_ctx, checkpoint_formats,
-                     is_ptq_recipe_file, local_path, parse_dtype, resolve_ptq_recipe, resolve_recipe, setup,
-                     show_progress, with_nvfp4_flags)
+from .common import (DEBUG_HELP, add_common, add_skip_indivisible, check_act_scale_rule, check_eval_ctx,
+                     checkpoint_formats, is_ptq_recipe_file, local_path, parse_dtype, resolve_ptq_recipe,
+                     resolve_recipe, setup, show_progress, with_nvfp4_flags)
 from .auto_recipe import add_auto_recipe_flags, auto_recipe_config, run_auto_recipe, write_auto_recipe
 from .learn_scales_defaults import DEFAULT_LR_WEIGHTS_BLOCK
 from .reporting import ArgumentParser, run_reported
@@ -27,6 +27,7 @@ from .quantize_streaming import add_streaming_flags, check_streaming_flags, run_
 from .ranks import is_main_rank, ranked
 from .rotation_flags import ROTATE_METAVAR, check_rotate
 from ..errors import UsageError
+from ..ptq.config import ACT_SCALE_RULES
 from ..file_errors import write_text_atomic
 from ..quant.backend import BACKENDS
 
@@ -115,9 +116,7 @@ def _check_quantize(args):
         check_text(args.eval, "--eval")
     _check_max_shard_size(args.max_shard_size)
     _check_excludes(args.exclude)
-    if args.act_scale_rule is not None and not (args.w4a4 or args.recipe or getattr(args, "auto_recipe", None)):
-        raise UsageError(f"--act-scale-rule {args.act_scale_rule}: sets the rule of the W4A4 activations' block "
-                         "scales; add --w4a4 (or a W4A4 --recipe)")
+    check_act_scale_rule(args)
     check_rotate(args.rotate)
     args.streaming_note = check_streaming_flags(args)  # streams by default; the line when it cannot
     src = local_path(args.model)
@@ -323,7 +322,7 @@ def _add_quantize(sub) -> None:
     act.add_argument("--weights-only", action="store_true", help="W4A16 (default; not with --recipe)")
     act.add_argument("--w4a4", action="store_true",
                      help="also NVFP4 activations (calibrated outer scale; not with --recipe)")
-    q.add_argument("--act-scale-rule", choices=("6", "4over6"), help="W4A4 activation scale rule (default 6)")
+    q.add_argument("--act-scale-rule", choices=ACT_SCALE_RULES, help="W4A4 activation scale rule (default 6)")
     q.add_argument("--calib", help="calibration text: built-in name (c4, wikitext2, tinystories, tinyshakespeare), "
                                    ".txt/.jsonl file, or hf:DATASET[,CONFIG][:SPLIT]; default depends on the model")
     q.add_argument("--calib-bos", action="store_true", help="start every calibration window with BOS")
