@@ -212,7 +212,7 @@ RUNS += [
      {"smollm2-135m/w4a16", "stories260k/w4a16", "moe-3m/w4a16", "smollm2-135m/w4a4", "qwen2.5-coder-0.5b/w4a16",
       "moe-3m/w4a4"}),
     ("defaults with the lr retry (learn-scales --steps 200)", AGH, _cli_defaults(200, retry=True), (200,),
-     {"smollm2-135m/w4a4"}),
+     {"smollm2-135m/w4a4", "smollm2-135m/w4a16"}),
     # Qwen's best PTQ (GPTQ with 4/6-aware group scales, 63%: the Hessian-aware rules lose there)
     ("defaults with the lr retry (learn-scales --steps 50)", "GPTQ+4/6 (aware)", _RETRY50, (50,),
      {"qwen2.5-coder-0.5b/w4a16"}),
@@ -232,6 +232,17 @@ RUNS += [("defaults with the lr retry, 1 x 512-token windows (learn-scales --bat
 RUNS += [("defaults with the lr retry (learn-scales --steps 50)", AGH46, _RETRY50, (50,), {"smollm2-135m/w4a4"}),
          ("defaults with the lr retry, 1 x 512-token windows (learn-scales --batch-size 1 --seq-len 512 --steps 50)",
           AGH46, dict(_RETRY50, batch_size=1, seq_len=512), (50,), {"smollm2-135m/w4a4"})]
+# 200 steps from AWQ + GPTQ hessian kept step 40 (W4A16): the held-out loss rose after it while the training loss fell.
+# Repeated windows? Four times the windows (2,048 x 128 tokens; 800 drawn in 200 steps), the held-out ones from a
+# part of the text of their own (as learn-scales draws them since the thirteenth stop). Its lr retry (a third of the
+# lrs, the same 200 steps) is the second half of the answer.
+_DISJOINT = dict(_cli_defaults(200, retry=True), disjoint_holdout=True)
+RUNS += [("defaults with the lr retry, 2048 windows (learn-scales --steps 200 --n-samples 2048)", AGH,
+          dict(_DISJOINT, train_samples=2048, holdout=2048 // 32), (200,), {"smollm2-135m/w4a16", "smollm2-135m/w4a4"}),
+         # that retry alone (its first run was stopped by a time limit at retry step 160)
+         ("2048 windows, a third of the lr (learn-scales --steps 200 --n-samples 2048 --lr-scales 1e-3 --lr-weights "
+          "1e-3)", AGH, dict(_DISJOINT, train_samples=2048, holdout=2048 // 32, lr=1e-3, lr_weights=1e-3), (200,),
+          {"smollm2-135m/w4a16"})]
 RUNS += [("defaults at a third of the lr, from GPTQ, ce-weight 1", "GPTQ",
           dict(DEFAULTS, lr=1e-3, lr_weights=1e-3, ce_weight=1.0), (50,), {"qwen2.5-coder-0.5b/w4a16"})]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
@@ -299,10 +310,12 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
     todo = [m for m in milestones if res.get(f"{key}@{m}") is None]
     if not todo:
         return
-    if s.get("seq_len", spec["train_seq_len"]) != spec["train_seq_len"]:  # the same training tokens in longer windows
-        L = s["seq_len"]
-        tokens = calibration_batches(lm.tokenizer, d.calib, spec["train_samples"] * spec["train_seq_len"] // L, L,
-                                     seed=1, bos=d.calib_bos)
+    L, n = s.get("seq_len", spec["train_seq_len"]), s.get("train_samples", spec["train_samples"])
+    if (L, n) != (spec["train_seq_len"], spec["train_samples"]) or s.get("disjoint_holdout"):
+        # the same training tokens in longer windows, more windows, or the held-out windows from a part of the text
+        # of their own (the rows before 2026-12-06's thirteenth stop drew them among the training windows)
+        tokens = calibration_batches(lm.tokenizer, d.calib, n * spec["train_seq_len"] // L, L, seed=1,
+                                     bos=d.calib_bos, holdout=s.get("holdout", 0) if s.get("disjoint_holdout") else 0)
     student, ptq_s, latent = _quantized(lm, start, acts, spec, d)
     # latent weights: the full-precision (transformed) weights PTQ rounded where they reproduce its codes
     weights, dequantized = lsq.exact_latent_weights(student, latent)

@@ -53,6 +53,25 @@ def test_act_scale_rule_refusals(extra, is_ckpt, words):
         init_recipe(_args(*extra), is_ckpt=is_ckpt)
 
 
+def test_learn_input_scales_with_a_four_over_six_recipe_is_refused_before_the_ptq(tmp_path):
+    """A W4A4 recipe whose activation rule is 4over6 (set in the YAML, not by the flag) cannot learn its input scales
+    (they are learned under rule 6): refused with the flag's name before anything loads, not by lsq.enable after the
+    PTQ; the same recipe with rule 6 passes."""
+    from blockscale.recipes.ptq_recipe import PTQRecipe, Scheme
+    from blockscale.recipes.ptq_serialize import save_ptq_recipe
+
+    path = tmp_path / "w4a4-46.yaml"
+    save_ptq_recipe(PTQRecipe.single(Scheme("nvfp4-w4a4", act_scale_rule="4over6")), path)
+    with pytest.raises(UsageError, match="--learn-input-scales.*4over6"):
+        init_recipe(_args("--recipe", str(path), "--learn-input-scales"), is_ckpt=False)
+    assert init_recipe(_args("--recipe", str(path)), is_ckpt=False).default.act_scale_rule == "4over6"
+    six = tmp_path / "w4a4-6.yaml"
+    save_ptq_recipe(PTQRecipe.single(Scheme("nvfp4-w4a4")), six)
+    with pytest.raises(UsageError, match="--learn-input-scales"):  # the flag overriding a rule-6 recipe
+        init_recipe(_args("--recipe", str(six), "--act-scale-rule", "4over6", "--learn-input-scales"), False)
+    assert init_recipe(_args("--recipe", str(six), "--learn-input-scales"), False).default.act_scale_rule in (None, "6")
+
+
 def test_learn_scales_with_four_over_six_activations_exports_them(tmp_path, capsys):
     """--act-scale-rule 4over6: the student learns with Four Over Six on its activations and the export keeps it
     (the reloaded model's W4A4 Linears use rule 4over6)."""

@@ -76,3 +76,31 @@ def test_holdout_0_exports_the_last_step(tmp_path, capsys):
     assert "kept step" not in stdout + err
     report = json.loads((out / "lsq_report.json").read_text())
     assert report["distill"]["best_step"] is None and report["distill"]["eval_losses"] == []
+
+
+def test_the_held_out_windows_are_drawn_from_a_part_of_the_text_of_their_own(tmp_path, capsys, monkeypatch):
+    """learn-scales (and --method auto's start selection) draw the training windows with the held-out split apart:
+    the last --holdout windows from the end of the text, sharing no token with the windows it trains on
+    (data.text_sources.window_starts). The held-out windows the step was chosen on are those rows."""
+    import importlib
+
+    from blockscale.data import text_sources
+
+    recover_mod = importlib.import_module("blockscale.lsq.recover")  # (the package exports a function of that name)
+
+    real, drawn, held = text_sources.calibration_batches, [], []
+
+    def recording(tokenizer, source, n_samples, seq_len, seed=0, bos=False, holdout=0):
+        out = real(tokenizer, source, n_samples, seq_len, seed=seed, bos=bos, holdout=holdout)
+        drawn.append((n_samples, seq_len, holdout, out))
+        return out
+
+    real_split = recover_mod.split_holdout
+    monkeypatch.setattr(text_sources, "calibration_batches", recording)
+    monkeypatch.setattr(recover_mod, "split_holdout", lambda t, h: held.append((t, h)) or real_split(t, h))
+    code, stdout, err = run(["learn-scales", "stories260k", *SMALL, "--steps", "1", "--holdout", "8",
+                             "--out", tmp_path / "o"], capsys)
+    assert code == 0, err
+    training = [d for d in drawn if (d[0], d[1]) == (40, 32)]
+    assert len(training) == 1 and training[0][2] == 8  # the run's own windows, with the split apart
+    assert len(held) == 1 and held[0][1] == 8 and torch.equal(held[0][0], training[0][3])

@@ -8,7 +8,8 @@ import torch
 
 from blockscale import data_root
 from blockscale.models.hf import ModelTokenizer
-from blockscale.data.text_sources import calibration_batches, evaluation_tokens, load_text
+from blockscale.data.text_sources import calibration_batches, evaluation_tokens, load_text, window_starts
+from blockscale.errors import DataError
 
 BYTES = ModelTokenizer(lambda text: list(text.encode("utf-8")), bos_id=256, eos_id=None)
 
@@ -83,3 +84,38 @@ def test_model_loading_errors(tmp_path):
         load_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="not a built-in name"):
         load_model("not-a-model")
+
+
+@pytest.mark.parametrize("n_tokens,n,body,holdout", [(10_000, 64, 32, 8), (5_000, 40, 100, 1), (2_000, 9, 200, 4)])
+def test_held_out_windows_share_no_token_with_the_training_windows(n_tokens, n, body, holdout):
+    """The held-out split (best-step selection's windows) is drawn from the tail of the text and the training
+    windows from its head, cut in proportion to their numbers: no token position is in both (drawn among the
+    training windows, about a third of the held-out tokens of the recovery protocol were also training tokens)."""
+    for seed in range(5):
+        s = window_starts(n_tokens, n, body, seed=seed, holdout=holdout)
+        train, held = s[:-holdout], s[-holdout:]
+        assert s.shape == (n,) and int(s.min()) >= 0 and int(s.max()) + body <= n_tokens
+        assert int(train.max()) + body <= int(held.min())  # every training token before every held-out token
+        cut = n_tokens * (n - holdout) // n
+        assert int(train.max()) + body <= cut <= int(held.min())
+
+
+def test_held_out_windows_leave_calibration_draws_unchanged():
+    """Without a held-out split the windows are those calibration always drew (GPTQ / AWQ calibration and the
+    committed results reproduce bit for bit); with one, they are the stream's slices at ``window_starts``."""
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(window_starts(1_000, 7, 50, seed=3), torch.randint(0, 951, (7,), generator=g))
+    ids = torch.tensor(list(load_text("tinyshakespeare", max_chars=400_000).encode()))
+    got = calibration_batches(BYTES, "tinyshakespeare", 24, 64, seed=1, holdout=6)
+    starts = window_starts(ids.numel(), 24, 64, seed=1, holdout=6)
+    assert torch.equal(got, torch.stack([ids[a:a + 64] for a in starts.tolist()]))
+    assert torch.equal(calibration_batches(BYTES, "tinyshakespeare", 24, 64, seed=1, holdout=0),
+                       calibration_batches(BYTES, "tinyshakespeare", 24, 64, seed=1))
+
+
+def test_a_held_out_split_needs_a_window_of_text_on_each_side():
+    with pytest.raises(DataError, match="too few to hold out 1 of 100 windows of 64 tokens"):
+        window_starts(3_000, 100, 64, holdout=1)  # the tail is 30 tokens
+    for bad in (8, 9, -1):
+        with pytest.raises(ValueError, match=f"holdout={bad}"):
+            window_starts(10_000, 8, 16, holdout=bad)

@@ -217,9 +217,10 @@ def _recover(args, student, teacher, tokenizer, weights, defaults, dcfg, record:
 
     config = _recovery_config(args, dcfg)
 
-    def tokens():  # drawn once the scales are trainable (after the --lr-scales line)
+    def tokens():  # drawn once the scales are trainable (after the --lr-scales line); the held-out windows last,
+        # from the end of the text (disjoint from the training windows)
         return calibration_batches(tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
-                                   seed=args.seed, bos=defaults.calib_bos)
+                                   seed=args.seed, bos=defaults.calib_bos, holdout=config.holdout)
 
     try:
         return lsq.recover(student, teacher, tokens, config, weights=weights,
@@ -400,8 +401,9 @@ def add_learn_scales(sub) -> None:
                    help="units of the latent weights (--train all): block (relative to each block's scale: one lr is "
                         "the same share of a quantization step on every model; default) or raw")
     number(p, "--holdout", int, lo=0, hi=MAX_SAMPLES, default=None,
-           help="training windows held out to choose the step: the student keeps the step (the start included) with "
-                "the lowest distillation loss on them (default: --n-samples / 32; 0: the last step)")
+           help="training windows held out to choose the step, drawn from the end of the text (no token shared with "
+                "the windows trained on): the student keeps the step (the start included) with the lowest "
+                "distillation loss on them (default: --n-samples / 32; 0: the last step)")
     number(p, "--lr-retries", int, lo=0, hi=8, default=None,
            help="when the step kept is the start (learning never beat it on the held-out windows), put the start back "
                 "and run again at a third of every learning rate, at most N times (default 1; 0: never)")

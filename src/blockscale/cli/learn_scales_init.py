@@ -48,7 +48,12 @@ def init_recipe(args, is_ckpt: bool):
         return None
     if args.w4a4:
         raise UsageError("--w4a4 cannot be combined with --recipe: the recipe sets each scheme's activations")
-    return with_nvfp4_flags(resolve_ptq_recipe(args.recipe), args, ("scale_rule", "act_scale_rule"))
+    recipe = with_nvfp4_flags(resolve_ptq_recipe(args.recipe), args, ("scale_rule", "act_scale_rule"))
+    if args.learn_input_scales and any(s.act_scale_rule == "4over6" for s in recipe.schemes()):
+        raise UsageError(f"--learn-input-scales learns the activations' outer scale under the block-scale rule 6; "
+                         f"--recipe {args.recipe} quantizes activations with act_scale_rule 4over6: drop the flag or "
+                         "use a recipe with rule 6")
+    return recipe
 
 
 def ptq_config(args, recipe):

@@ -71,7 +71,7 @@ def auto_start(args, model, tokenizer, base, defaults, holdout: int, run, progre
     from ..lsq.start_selection import choose_start
 
     tokens = calibration_batches(tokenizer, args.data or defaults.calib, args.n_samples, args.seq_len,
-                                 seed=args.seed, bos=defaults.calib_bos)
+                                 seed=args.seed, bos=defaults.calib_bos, holdout=holdout)
     held = lsq.split_holdout(tokens, holdout)[1]
     candidates = selected_candidates(args)
     print(f"--method auto: quantizing with each of {', '.join(c.label for c in candidates)}; keeping the lowest "

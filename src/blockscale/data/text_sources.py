@@ -133,10 +133,31 @@ def _token_stream(tokenizer: Tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer.encode(text), dtype=torch.long)
 
 
+def window_starts(n_tokens: int, n_samples: int, body: int, seed: int = 0, holdout: int = 0) -> torch.Tensor:
+    """Seeded random start offsets of ``n_samples`` windows of ``body`` tokens in a stream of ``n_tokens``.
+    With ``holdout`` the last ``holdout`` windows come from the stream's tail and the others from its head, cut in
+    proportion to their numbers, so no held-out window shares a token with a training window; without it, the
+    offsets are those calibration has always drawn. DataError when a part is shorter than one window."""
+    gen = torch.Generator().manual_seed(seed)
+    if not holdout:
+        return torch.randint(0, n_tokens - body + 1, (n_samples,), generator=gen)
+    if not 0 < holdout < n_samples:
+        raise ValueError(f"holdout={holdout}: must be between 1 and n_samples - 1 ({n_samples - 1})")
+    cut = n_tokens * (n_samples - holdout) // n_samples
+    if min(cut, n_tokens - cut) < body:
+        raise DataError(f"the text gives {n_tokens} tokens: too few to hold out {holdout} of {n_samples} windows "
+                        f"of {body} tokens from a part of the text of their own (need at least {body} tokens in each "
+                        "part)")
+    train = torch.randint(0, cut - body + 1, (n_samples - holdout,), generator=gen)
+    held = cut + torch.randint(0, n_tokens - cut - body + 1, (holdout,), generator=gen)
+    return torch.cat([train, held])
+
+
 def calibration_batches(tokenizer: Tokenizer, source: str, n_samples: int, seq_len: int, seed: int = 0,
-                        bos: bool = False) -> torch.Tensor:
+                        bos: bool = False, holdout: int = 0) -> torch.Tensor:
     """[n_samples, seq_len] token windows at seeded random offsets of the tokenized ``source``
-    (as GPTQ / AWQ calibrate); with ``bos`` each window starts with BOS."""
+    (as GPTQ / AWQ calibrate); with ``bos`` each window starts with BOS. ``holdout``: the last ``holdout`` windows
+    are drawn from the end of the text, disjoint from the others (a held-out split: ``window_starts``)."""
     if n_samples < 1 or seq_len < 2:
         raise ValueError(f"n_samples={n_samples}, seq_len={seq_len}: need n_samples >= 1 and seq_len >= 2")
     body = seq_len - 1 if bos else seq_len
@@ -144,8 +165,7 @@ def calibration_batches(tokenizer: Tokenizer, source: str, n_samples: int, seq_l
     ids = _token_stream(tokenizer, load_text(source, max_chars=max(400_000, 16 * n_samples * seq_len)))
     if ids.numel() < body + 1:
         raise DataError(f"text source {source!r} has only {ids.numel()} tokens; need at least {body + 1}")
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - body + 1, (n_samples,), generator=gen)
+    starts = window_starts(ids.numel(), n_samples, body, seed, holdout)
     out = torch.stack([ids[s:s + body] for s in starts.tolist()])
     if bos:
         if tokenizer.bos_id is None:
@@ -167,4 +187,5 @@ def evaluation_tokens(tokenizer: Tokenizer, source: str, bos_at_start: bool = Fa
     return ids if max_tokens is None else ids[:max_tokens]
 
 
-__all__ = ["BUILTIN_TEXTS", "calibration_batches", "check_text_source", "evaluation_tokens", "load_text"]
+__all__ = ["BUILTIN_TEXTS", "calibration_batches", "check_text_source", "evaluation_tokens", "load_text",
+           "window_starts"]
