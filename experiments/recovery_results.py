@@ -304,9 +304,11 @@ class Results:
         print(json.dumps(row), flush=True)
 
 
-def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
+def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts, keep: bool = True):
     """One learned-scale run: PTQ start (the ``start`` quantization, exactly), lsq.enable with the settings,
-    distill to each milestone of one schedule of ``milestones[-1]`` steps, evaluating at each."""
+    distill to each milestone of one schedule of ``milestones[-1]`` steps, evaluating at each. ``keep``: keep the
+    PTQ start for a later run of this process (on Qwen2.5-0.5B its copy and latent weights hold 4 GB: a run with
+    the lr retry that kept them was killed for memory at its end)."""
     todo = [m for m in milestones if res.get(f"{key}@{m}") is None]
     if not todo:
         return
@@ -316,7 +318,7 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts):
         # of their own (the rows before 2026-12-06's thirteenth stop drew them among the training windows)
         tokens = calibration_batches(lm.tokenizer, d.calib, n * spec["train_seq_len"] // L, L, seed=1,
                                      bos=d.calib_bos, holdout=s.get("holdout", 0) if s.get("disjoint_holdout") else 0)
-    student, ptq_s, latent = _quantized(lm, start, acts, spec, d)
+    student, ptq_s, latent = _quantized(lm, start, acts, spec, d, keep=keep)
     # latent weights: the full-precision (transformed) weights PTQ rounded where they reproduce its codes
     weights, dequantized = lsq.exact_latent_weights(student, latent)
     lsq.enable(student, mode=s["mode"], init="stored", weights=weights, param=s["param"], dual_form=s["dual_form"],
@@ -395,10 +397,13 @@ def run_all(args) -> None:
                 res.add({"key": key, "start": start, "activations": acts, "ppl": _ppl(qm, lm, spec, d),
                          "ptq_seconds": sec})
                 del qm
-        for name, start, s, milestones in _runs(args.model, acts):
-            if args.only and name not in args.only and f"{name} [{start}]" not in args.only:
-                continue
-            run_lsq(lm, spec, d, res, out, tokens, f"{name} [{start}] | {acts}", start, s, milestones, acts)
+        todo = [(name, start, s, milestones) for name, start, s, milestones in _runs(args.model, acts)
+                if not args.only or name in args.only or f"{name} [{start}]" in args.only]
+        todo = [t for t in todo if any(res.get(f"{t[0]} [{t[1]}] | {acts}@{m}") is None for m in t[3])]
+        for i, (name, start, s, milestones) in enumerate(todo):
+            later = any(st == start for _, st, _, _ in todo[i + 1:])  # keep the PTQ start only for a later run
+            run_lsq(lm, spec, d, res, out, tokens, f"{name} [{start}] | {acts}", start, s, milestones, acts,
+                    keep=later)
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,13 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_demo_on_stories260k(tmp_path, capsys):
+def test_demo_on_stories260k(tmp_path, capsys, monkeypatch):
+    import blockscale.cli.demo as demo_mod
+    from blockscale import lsq
+
+    real, drawn = demo_mod.calibration_batches, []
+    monkeypatch.setattr(demo_mod, "calibration_batches",
+                        lambda *a, **k: drawn.append((a[2:], k)) or real(*a, **k))
     out = tmp_path / "demo"
     assert cli.main(["demo", "--model", "stories260k", "--out", str(out), "--eval-tokens", "4096", "--n-samples", "4",
                      "--seq-len", "64", "--lsq-steps", "8", "--lsq-lr", "3e-3"]) == 0
@@ -26,10 +32,15 @@ def test_demo_on_stories260k(tmp_path, capsys):
     losses = dict(learned["held_out_losses"])
     assert sorted(losses) == list(range(9)) and learned["best_step"] == min(losses, key=lambda s: (losses[s], s))
     assert learned["trainable_params"] > 0
+    # the learning windows: 512 x 128 with the held-out ones drawn from a part of the text of their own (no token
+    # shared with training: data.text_sources.window_starts, tested in tests/data/test_text_sources.py)
+    assert [(a, k["holdout"]) for a, k in drawn] == [((512, 128), lsq.RECOVERY_HOLDOUT)]
     # Hessian-aware scales beat RTN, and distilling their value scales and weights from the full-precision model
     # lowers the perplexity further
     assert rep["eval"]["ppl"] < learned["ppl"]["ppl"] < hessian["ppl"]["ppl"] < rtn["ppl"]["ppl"], rows
-    assert learned["final_loss"] < learned["first_loss"]
+    # learning beat its start on the held-out windows (the first and last training batches are different windows,
+    # so their two losses do not compare)
+    assert learned["best_step"] > 0 and losses[learned["best_step"]] < losses[0], losses
     assert rep["reloaded_logits_bit_identical"] is True  # the learned model, exported and reloaded
     assert rep["reloaded_ppl"]["ppl"] == learned["ppl"]["ppl"]
     assert f"| {label} |" in text and f"| {label}, reloaded from checkpoint-compressed-tensors |" in text

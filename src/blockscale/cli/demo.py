@@ -208,8 +208,11 @@ def _learn_scales(s: _Session, qmodel, latent, last: str, lsq_steps: int, lsq_lr
     t = time.time()
     weights, _ = lsq.exact_latent_weights(qmodel, latent)  # step 0 == the PTQ model, bit for bit
     lsq.enable(qmodel, init="stored", weights=weights, **lsq.RECOVERY_ENABLE)
-    tokens = calibration_batches(s.lm.tokenizer, d.calib, 512, 128, seed=1, bos=d.calib_bos)
-    tokens, held = lsq.split_holdout(tokens, lsq.RECOVERY_HOLDOUT)  # they choose the step (the start included)
+    # the held-out windows (the last RECOVERY_HOLDOUT) from a part of the text of their own, as learn-scales draws
+    # them: they choose the step (the start included) and share no token with the windows learning trains on
+    tokens = calibration_batches(s.lm.tokenizer, d.calib, 512, 128, seed=1, bos=d.calib_bos,
+                                 holdout=lsq.RECOVERY_HOLDOUT)
+    tokens, held = lsq.split_holdout(tokens, lsq.RECOVERY_HOLDOUT)
     res = lsq.distill(qmodel, s.lm.model, tokens, lsq.recovery_distill_config(
         lsq_steps, lr_scales=lsq_lr, train=lsq_train, lr_weights=lsq_lr_weights, keep_best=True,
         eval_loss="distill"), eval_tokens=held)
