@@ -269,10 +269,11 @@ _CACHE: dict = {}  # (start, acts) -> (quantized model, seconds, latent): each P
 
 def _quantized(lm, start: str, acts: str, spec, d, keep: bool = True):
     """The ``start`` quantization of a copy of the model, its seconds and latent weights; kept for the learned-scale
-    runs that start from it when ``keep`` (a 0.5B model's copy and latent weights hold 4 GB)."""
-    if (start, acts) in _CACHE:
-        qm, sec, latent = _CACHE[(start, acts)]
-        return copy.deepcopy(qm), sec, latent
+    runs that start from it when ``keep`` (a 0.5B model's copy and latent weights hold 4 GB), else handed over and
+    dropped from the cache."""
+    if (start, acts) in _CACHE:  # the last run from it takes the cached model itself (no copy, the cache freed)
+        qm, sec, latent = _CACHE[(start, acts)] if keep else _CACHE.pop((start, acts))
+        return (copy.deepcopy(qm) if keep else qm), sec, latent
     student = copy.deepcopy(lm.model)
     fields = dict(STARTS[start])  # a start may calibrate on more windows than the model's default
     cfg = PTQConfig(activations=acts, n_samples=fields.pop("n_samples", spec["calib_samples"]),
