@@ -17,7 +17,6 @@ whose class name contains "Norm" trained as well, in its own optimizer group:
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from pathlib import Path
@@ -76,10 +75,7 @@ def with_norms(lr: float, units: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="stories260k", choices=sorted(rr.MODELS))
-    ap.add_argument("--start", default="GPTQ hessian", choices=sorted(rr.STARTS))
-    ap.add_argument("--activations", default="w4a4", choices=("w4a16", "w4a4"))
+    ap = rr.probe_parser(__doc__)
     ap.add_argument("--units", default="relative", choices=("raw", "relative"))
     ap.add_argument("--lr", type=float, default=1e-2, help="the norms' lr (0: no norms, the control)")
     ap.add_argument("--steps", type=int, default=50)

@@ -168,6 +168,15 @@ RUNS += [
 _CLI50 = lsq.recovery_distill_config(50)
 
 
+def probe_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments the probes built on these runs share (``--model``, ``--start``, ``--activations``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="stories260k", choices=sorted(MODELS))
+    ap.add_argument("--start", default="GPTQ hessian", choices=sorted(STARTS))
+    ap.add_argument("--activations", default="w4a4", choices=("w4a16", "w4a4"))
+    return ap
+
+
 def _cli_defaults(steps: int, retry: bool = False) -> dict:
     """The settings ``learn-scales --steps STEPS`` runs (with its lr retry when ``retry``)."""
     c = lsq.recovery_distill_config(steps)

@@ -49,6 +49,9 @@ CASES = {
     "awq-clip-w4a4": ("llama", dict(method="awq", activations="w4a4", options=AWQOptions(grid=5, max_tokens=40,
                                                                                           clip=True)), 8),
     "gptq-true-sequential-one-batch": ("llama", dict(method="gptq", options=GPTQOptions(true_sequential=True)), 2),
+    # the rounded inputs' Hessians: the second pass reduced over the ranks, uneven batches
+    "gptq-rounded-inputs-w4a4": ("llama", dict(method="gptq", activations="w4a4",
+                                               options=GPTQOptions(rounded_inputs=True)), 5),
 }
 EXACT = [c for c in CASES if "gptq" not in c]
 
@@ -228,7 +231,8 @@ def test_moe_per_expert_token_counts_equal_one_process(ranks, single, case):
 GPTQ_MAX_CHANGED = 0.01
 
 
-@pytest.mark.parametrize("case", ["gptq-w4a16", "moe-gptq", "gptq-true-sequential-one-batch"])
+@pytest.mark.parametrize("case", ["gptq-w4a16", "moe-gptq", "gptq-true-sequential-one-batch",
+                                  "gptq-rounded-inputs-w4a4"])
 def test_gptq_within_tolerance_of_one_process(ranks, single, case):
     got, ref = ranks[0][case], single[case]
     assert got["state"].keys() == ref["state"].keys()

@@ -119,6 +119,8 @@ class PTQMethod:
     reconstructs_layers: the method optimises a whole decoder layer's quantization at once on the layer's
     calibration inputs (``reconstruct_layer``, AutoRound); quantize_model then quantizes each Linear from
     its results.
+    hessian_of_rounded_inputs: the Hessian of each Linear that quantizes its inputs (W4A4, W8A8) is recorded from
+    its inputs as its quantized Linear rounds them (a second pass over the layer; GPTQ's ``rounded_inputs``).
     """
 
     name: ClassVar[str] = ""
@@ -131,6 +133,7 @@ class PTQMethod:
     chooses_block_scales: ClassVar[bool] = False
     weighs_block_scales: ClassVar[bool] = False
     reconstructs_layers: ClassVar[bool] = False
+    hessian_of_rounded_inputs: bool = False
 
     def __init__(self, options=None):
         options = self.Options() if options is None else options

@@ -46,7 +46,7 @@ from .protocol import LayerContext, PTQMethod, SolvedMethod, StartWeight
 from .scheme_plan import unused_rule_warnings
 from .scheme_modules import build_linear
 from .scheme_quantize import group_weight_scale, rtn_quantize
-from .statistics import InputStatistics, collect_statistics
+from .statistics import InputStatistics, StatisticsRequest, collect_statistics
 
 
 @dataclass
@@ -154,6 +154,27 @@ def _groups(linears: dict[str, nn.Linear], stats, schemes: dict, fallback_amax: 
         except ValueError as err:
             raise QuantizationError(f"{', '.join(shared)}: {err}") from err
         yield group, scheme, S, in_amax
+
+
+def _rounded_input_hessians(run: LayerPass, i: int, inputs, linears: dict, stats: dict, fallback: float) -> None:
+    """``hessian_of_rounded_inputs``: each Linear that quantizes its inputs gets, in ``stats``, the Hessian of its
+    inputs as its quantized module rounds them (its scheme's ``input_quantizer`` at its group's calibrated amax,
+    the one it will be built with), from a second pass over the layer; its other statistics stay the first's."""
+    rounding = {}
+    for group, scheme, _, in_amax in _groups(linears, stats, run.schemes, fallback, run.config.expert_outer_scale):
+        if scheme.quantizes_activations:
+            rounding.update({n: scheme.input_quantizer(in_amax) for n in group if stats[n].tokens})
+    if not rounding:
+        note = "rounded-input Hessians: no Linear of these layers quantizes its inputs (W4A16); nothing changed"
+        if note not in run.report.warnings:
+            run.report.warnings.append(note)
+        return
+    part = {n: linears[n] for n in rounding}
+    second = run.ranks.statistics(lambda: (collect_statistics(
+        run.layers[i], i, inputs, part, StatisticsRequest(hessian=True), run.device, run.report.calibration_tokens,
+        run.config.calibrate_all_experts, rounding=rounding), None), run.device)[0]
+    for n in rounding:
+        stats[n].hessian = second[n].hessian
 
 
 def _start_weights(linears: dict[str, nn.Linear], stats, schemes: dict, method: PTQMethod, fallback_amax: float,
@@ -371,6 +392,8 @@ def quantize_layer(run: LayerPass, i: int, inputs, advance=run_layer):
         if alphas and (static or method.quantizes_with_statistics):
             stats, ex_stats = run.ranks.statistics(record, device)
     fallback = max([s.amax for s in stats.values() if s.tokens], default=1.0) if stats else 1.0
+    if stats and method.hessian_of_rounded_inputs:
+        _rounded_input_hessians(run, i, inputs, linears, stats, fallback)
     if method.reconstructs_layers and inputs is not None and (linears or experts):  # AutoRound: all at once
         start = _start_weights(linears, stats, schemes, method, fallback, config.expert_outer_scale)
         for name, module in experts.items():  # fused 3-D experts: every expert's projections

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -175,16 +176,19 @@ def _all_tokens_through_experts(layer: nn.Module, linears: dict[str, nn.Linear],
 @torch.no_grad()
 def collect_statistics(layer: nn.Module, index: int, inputs, linears: dict[str, nn.Linear],
                        request: StatisticsRequest, device, total_tokens: int,
-                       calibrate_all_experts: bool = False) -> dict[str, InputStatistics]:
+                       calibrate_all_experts: bool = False, rounding: Optional[dict] = None) -> dict[str, InputStatistics]:
     """Run ``layer`` on the stored ``inputs`` and record each of ``linears``' inputs (name -> statistics).
     ``calibrate_all_experts``: the Linears of per-expert nn.Linear MoE experts (``linear_expert_blocks``)
-    record every token of their MoE block's input, once (not their routed calls as well)."""
+    record every token of their MoE block's input, once (not their routed calls as well). ``rounding``: name ->
+    x -> x as that Linear's quantized module rounds it; those Linears record their rounded inputs (the layer
+    itself runs on the unrounded ones)."""
     stats = {n: InputStatistics(n, index, m.in_features, request, total_tokens, device) for n, m in linears.items()}
     muted: set = set()
+    rounding = rounding or {}
 
     def hook(mod, args, out, n):
         if n not in muted:
-            stats[n].add(args[0])
+            stats[n].add(rounding[n](args[0]) if n in rounding else args[0])
 
     handles = [m.register_forward_hook(lambda mod, args, out, n=n: hook(mod, args, out, n))
                for n, m in linears.items()]

@@ -34,7 +34,7 @@ from ..smoothing import FLOAT_DTYPES, check_smoothable, check_weights, smooth_la
 from ..statistics import StatisticsRequest
 from .awq_clip import awq_clip_search, clip_supported, subsample_rows
 from .awq_error import group_error, part_input, parts_error, scheme_quantizers
-from .gptq import GPTQ
+from .gptq import GPTQ, GPTQOptions
 
 # smoothing scales are kept in [S_MIN, S_MAX]: W * s and x / s then stay far from FP32 / BF16 limits
 S_MIN, S_MAX = 1e-4, 1e4
@@ -289,12 +289,17 @@ class AWQOptions:
     clip_qk: bool = option(False, "AWQ auto-clip also clips q / k projections (AutoAWQ skips them)")
     quantizer: str = option("rtn", "AWQ rounds the smoothed weights to nearest (with auto-clip) or by GPTQ (its "
                             "default options, Hessians of the smoothed inputs; no clip)", choices=AWQ_QUANTIZERS)
+    rounded_inputs: bool = option(False, "with --awq-quantizer gptq: GPTQ's --gptq-rounded-inputs (the Hessians of "
+                                  "the W4A4 / W8A8 Linears' inputs as their quantized Linears round them)")
 
     def __post_init__(self):
         check_options(self)
         if self.quantizer == "gptq" and self.clip:
             raise OptionError(type(self).__name__, "clip", self.clip, "auto-clip rounds to nearest; it cannot be "
                               "combined with quantizer='gptq' (leave clip unset or False)")
+        if self.rounded_inputs and self.quantizer != "gptq":
+            raise OptionError(type(self).__name__, "rounded_inputs", self.rounded_inputs, "needs quantizer='gptq' "
+                              "(the rounded inputs' Hessians are GPTQ's)")
 
 
 # the last name component of the Linears auto-clip leaves alone unless clip_qk (AutoAWQ's q / k skip:
@@ -330,7 +335,9 @@ class AWQ(PTQMethod):
         self.clip = self.options.clip is not False and self.options.quantizer == "rtn"
         if self.clip:
             self.quantizes_with_statistics = True  # the clip search reads the smoothed layer's inputs
-        self._gptq = GPTQ() if self.options.quantizer == "gptq" else None
+        self._gptq = (GPTQ(GPTQOptions(rounded_inputs=self.options.rounded_inputs))
+                      if self.options.quantizer == "gptq" else None)
+        self.hessian_of_rounded_inputs = self.options.rounded_inputs
         if self._gptq is not None:  # GPTQ's traits: Hessians recorded again after folding, scales chosen in its loop
             self.quantizes_with_statistics = self.compares_to_rtn = True
             self.chooses_block_scales = self.weighs_block_scales = True

@@ -4,7 +4,8 @@ Fused 3-D MoE experts (``ptq.fused_experts``): one Hessian per expert and projec
 the hidden states routed to the expert, or all with ``calibrate_all_experts``; down input: its
 act(gate) * up), each expert's [2I, H] / [H, I] weight GPTQ'd with its outer scale. ``true_sequential``:
 the layer's Linears in dataflow stages, each stage's Hessians recorded after the earlier stages are
-quantized (``sequential``; quantize_model asks ``quantize_stages``)."""
+quantized (``sequential``; quantize_model asks ``quantize_stages``). ``rounded_inputs``: the Hessians of the
+Linears that quantize their inputs come from the rounded inputs (quantize_model records them again)."""
 from __future__ import annotations
 
 from ....quant import NVFP4
@@ -29,6 +30,10 @@ class GPTQ(PTQMethod):
     quantizes_fused_experts = True
     chooses_block_scales = True
     weighs_block_scales = True
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.hessian_of_rounded_inputs = self.options.rounded_inputs
 
     def statistics(self) -> StatisticsRequest:
         return StatisticsRequest(hessian=True)

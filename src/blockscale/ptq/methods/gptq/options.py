@@ -22,6 +22,9 @@ class GPTQOptions:
     true_sequential: quantize_model quantizes each decoder layer's Linears stage by stage (fused groups in
       dataflow order), each stage's Hessian recorded from the layer with the earlier stages already
       quantized (``ptq.methods.gptq.sequential``); MoE layers are refused.
+    rounded_inputs: each Linear that quantizes its inputs (W4A4, W8A8) is GPTQ'd with the Hessian of its inputs
+      as its quantized Linear rounds them (its group's calibrated input scale), recorded by a second pass over
+      the layer, instead of the unrounded inputs' (weights-only Linears keep theirs); not with true_sequential.
     FP8 / MX Linears of a mixed recipe (``gptq_fixed_grid``) take damp, block_size (rounded up to whole
     32-column MX groups), act_order and static_groups; four_over_six applies to NVFP4 Linears only.
     """
@@ -34,9 +37,14 @@ class GPTQOptions:
                                 "or by block error (plain)", choices=FOUR_OVER_SIX_MODES, flag="4over6")
     true_sequential: bool = option(False, "GPTQ quantizes a layer's Linears in dataflow order, each one's Hessian "
                                    "recorded with the previous ones quantized (not for MoE layers)")
+    rounded_inputs: bool = option(False, "GPTQ weighs each W4A4 / W8A8 Linear's error by the Hessian of its inputs "
+                                  "as the quantized Linear rounds them (a second calibration pass per layer)")
 
     def __post_init__(self):
         check_options(self)
+        if self.rounded_inputs and self.true_sequential:
+            raise OptionError(type(self).__name__, "rounded_inputs", self.rounded_inputs, "not combined with "
+                              "true_sequential (its later stages record their Hessians again, unrounded)")
         if self.block_size % BLOCK:
             raise OptionError(type(self).__name__, "block_size", self.block_size,
                               f"expected a positive multiple of {BLOCK} (whole NVFP4 blocks), e.g. 128")
