@@ -34,7 +34,7 @@ def test_registry_and_options_in_the_config():
     d = cfg.to_dict()
     assert d["method"] == "gptq" and d["options"] == dict(damp=0.01, block_size=32, act_order=False,
                                                           static_groups=False, four_over_six="plain",
-                                                          true_sequential=False)
+                                                          true_sequential=False, rounded_inputs=False)
     assert cfg.label == "gptq 4over6-mse w4a16"
     assert PTQConfig(method="rtn", scale_rule="sweep", activations="w4a4").options == RTNOptions()
     with pytest.raises(UsageError, match=r"options is a AWQOptions, but method='gptq' takes GPTQOptions"):
