@@ -140,14 +140,20 @@ def _quantize_one(n: str, lin: nn.Linear, st: Optional[InputStatistics], S: Opti
                              st.amax if st is not None else None, alpha, note, scheme.label)
 
 
+def _input_amax(group: list, stats, fallback_amax: float) -> float:
+    """A fused group's calibrated input amax (the static activation scale's source): the largest of its Linears'
+    with tokens, else ``fallback_amax``."""
+    amaxes = [stats[n].amax for n in group if stats is not None and stats[n].tokens]
+    return max(amaxes) if amaxes else fallback_amax
+
+
 def _groups(linears: dict[str, nn.Linear], stats, schemes: dict, fallback_amax: float, expert_outer_scale: str):
     """(fused group, its scheme, the weight scale it shares, its calibrated input amax) for each fused group."""
     groups = fused_groups(list(linears))
     scale_group = {n: g for g in expert_scale_groups(groups, expert_outer_scale, schemes) for n in g}
     for group in groups:
         scheme = schemes[group[0]]  # one per fused group (scheme_plan.assign_schemes)
-        amaxes = [stats[n].amax for n in group if stats is not None and stats[n].tokens]
-        in_amax = max(amaxes) if amaxes else fallback_amax
+        in_amax = _input_amax(group, stats, fallback_amax)
         shared = scale_group[group[0]]  # the fused group, or every expert's (expert_outer_scale="tensor")
         try:
             S = group_weight_scale(scheme, [linears[n].weight for n in shared])
@@ -161,9 +167,11 @@ def _rounded_input_hessians(run: LayerPass, i: int, inputs, linears: dict, stats
     inputs as its quantized module rounds them (its scheme's ``input_quantizer`` at its group's calibrated amax,
     the one it will be built with), from a second pass over the layer; its other statistics stay the first's."""
     rounding = {}
-    for group, scheme, _, in_amax in _groups(linears, stats, run.schemes, fallback, run.config.expert_outer_scale):
+    for group in fused_groups(list(linears)):  # (no weight scales needed here: _groups computes them later)
+        scheme = run.schemes[group[0]]
         if scheme.quantizes_activations:
-            rounding.update({n: scheme.input_quantizer(in_amax) for n in group if stats[n].tokens})
+            q = scheme.input_quantizer(_input_amax(group, stats, fallback))
+            rounding.update({n: q for n in group if stats[n].tokens})
     if not rounding:
         note = "rounded-input Hessians: no Linear of these layers quantizes its inputs (W4A16); nothing changed"
         if note not in run.report.warnings:
