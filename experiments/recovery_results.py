@@ -236,7 +236,8 @@ RUNS += [(f"defaults with the lr retry, ce-weight {w:g} (learn-scales --ce-weigh
 # longer training windows, the same training tokens (512 x 128 in 128 windows of 512; 512 tokens a step): do the
 # 128-token windows cap recovery on a 1024-token evaluation? (learn-scales --batch-size 1 --seq-len 512)
 RUNS += [("defaults with the lr retry, 1 x 512-token windows (learn-scales --batch-size 1 --seq-len 512 --steps 50)",
-          "RTN hessian", dict(_RETRY50, batch_size=1, seq_len=512), (50,), {"smollm2-135m/w4a16", "smollm2-135m/w4a4"})]
+          "RTN hessian", dict(_RETRY50, batch_size=1, seq_len=512), (50,),
+          {"smollm2-135m/w4a16", "smollm2-135m/w4a4", "stories260k/w4a16", "stories260k/w4a4"})]
 # W4A4: the best start with Four Over Six on the activations too, and that start with the longer windows (issue 32's
 # 75%: the activations' own rounding is a third of SmolLM2's W4A4 gap, experiments/w4a4_floor.py)
 RUNS += [("defaults with the lr retry (learn-scales --steps 50)", AGH46, _RETRY50, (50,), {"smollm2-135m/w4a4"}),
