@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recovery_results as rr  # noqa: E402
+from blockscale import lsq  # noqa: E402
 from blockscale.ptq.rotations import RotationPlan, rotate_model  # noqa: E402
 from blockscale.quant import NVFP4  # noqa: E402
 from blockscale.quant.dispatch import fake_quantize  # noqa: E402
@@ -124,13 +124,11 @@ def _act_hooks(model, layers):
             for p in layers for rel in READERS + WRITERS]
 
 
-def _kl(student_logits, teacher_logits) -> torch.Tensor:
-    s = F.log_softmax(student_logits.float(), -1).flatten(0, -2)
-    t = F.log_softmax(teacher_logits.float(), -1).flatten(0, -2)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+def _kl(student_logits, teacher_logits, x) -> torch.Tensor:
+    return lsq.distill_loss(student_logits, teacher_logits, x)[1]  # lsq's KL (T = 1), the mean over tokens
 
 
-def learn(rot: Rotated, teacher, tokens, held, args) -> dict:
+def learn(rot: Rotated, teacher, tokens, held, args, lr: float) -> dict:
     """Adam on the rotations' generators; returns the log and leaves the best held-out step's generators in ``rot``."""
     model, quant_w = rot.model, args.in_loop == "w4a4"
     with torch.no_grad():
@@ -140,11 +138,11 @@ def learn(rot: Rotated, teacher, tokens, held, args) -> dict:
     def held_loss() -> float:
         with torch.no_grad():
             w = rot.weights(quantize=quant_w)
-            tot = sum(float(_kl(functional_call(model, w, (held[i:i + 4],)).logits, t_held[i // 4]))
+            tot = sum(float(_kl(functional_call(model, w, (held[i:i + 4],)).logits, t_held[i // 4], held[i:i + 4]))
                       * len(held[i:i + 4]) for i in range(0, len(held), 4))
         return tot / len(held)
 
-    opt = torch.optim.Adam(rot.params(), lr=args.lr)
+    opt = torch.optim.Adam(rot.params(), lr=lr)
     warm = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warm if s < warm else
                                               0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, args.steps - warm))))
@@ -159,7 +157,7 @@ def learn(rot: Rotated, teacher, tokens, held, args) -> dict:
             batch = tokens[torch.randint(len(tokens), (args.batch_size,), generator=g)]
             with torch.no_grad():
                 t_logits = teacher(batch).logits
-            loss = _kl(functional_call(model, rot.weights(quantize=quant_w), (batch,)).logits, t_logits)
+            loss = _kl(functional_call(model, rot.weights(quantize=quant_w), (batch,)).logits, t_logits, batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -218,8 +216,7 @@ def main(argv=None) -> int:
             p.requires_grad_(False)
         log = {}
         if args.steps:
-            args.lr = lr
-            log = learn(rot, lm.model, tokens, held, args)
+            log = learn(rot, lm.model, tokens, held, args, lr)
         rot.fuse()
         with torch.no_grad():
             fp_diff = float((base(held[:2]).logits - lm.model(held[:2]).logits).abs().max())
