@@ -118,3 +118,12 @@ def test_retry_config_and_validation():
         with pytest.raises(ValueError, match="lr_retries"):
             DistillConfig(lr_retries=bad)
     assert lsq.recovery_distill_config(50).lr_retries == lsq.RECOVERY_LR_RETRIES == 1
+
+
+def test_no_gradient_is_left_on_the_student(pair):
+    """The last step's gradients are one more copy of every trained tensor: distill drops them, after a retry too
+    (they would stay through the caller's evaluation and export)."""
+    student, res = _run(pair, DistillConfig(**TOO_LARGE, lr_retries=1))
+    assert len(res["attempts"]) == 2
+    trained = [p for p in student.parameters() if p.requires_grad]
+    assert trained and all(p.grad is None for p in trained)
