@@ -269,7 +269,14 @@ RUNS += [("defaults with the lr retry (learn-scales --steps 1000)", "RTN hessian
          # stories260K still gained in the last fifth of 1,000 steps (W4A16 84.3%): twice the steps
          ("defaults with the lr retry, 2048 windows (learn-scales --steps 2000 --n-samples 2048)", "RTN hessian",
           dict(_cli_defaults(2000, retry=True), disjoint_holdout=True, train_samples=2048, holdout=2048 // 32),
-          (2000,), {"stories260k/w4a16", "stories260k/w4a4"})]
+          (2000,), {"stories260k/w4a16", "stories260k/w4a4"}),
+         # W4A4 from each small model's better start (stories260K: GPTQ hessian, 45%; the MoE: 4/6 on the activations, 25%)
+         ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", GH,
+          dict(_cli_defaults(1000, retry=True), disjoint_holdout=True, train_samples=2048, holdout=2048 // 32),
+          (1000,), {"stories260k/w4a4"}),
+         ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", A46,
+          dict(_cli_defaults(1000, retry=True), disjoint_holdout=True, train_samples=2048, holdout=2048 // 32),
+          (1000,), {"moe-3m/w4a4"})]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
 LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
