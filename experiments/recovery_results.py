@@ -261,21 +261,28 @@ RUNS += [("defaults at a third of the lr, from GPTQ, ce-weight 1", "GPTQ",
 # the 75% a matter of steps? 1,000 steps, the defaults' schedule for that length (learn-scales --steps 1000), on the
 # defaults' 512 windows and on 2,048 with the held-out ones apart
 _SMALL = {f"{m}/{a}" for m in ("stories260k", "moe-3m") for a in ("w4a16", "w4a4")}
+
+
+def _windows2048(steps: int) -> dict:
+    """``learn-scales --steps STEPS --n-samples 2048`` (its lr retry; the held-out 64 from a text part of their own)."""
+    return dict(_cli_defaults(steps, retry=True), disjoint_holdout=True, train_samples=2048, holdout=2048 // 32)
+
+
 RUNS += [("defaults with the lr retry (learn-scales --steps 1000)", "RTN hessian", _cli_defaults(1000, retry=True),
           (1000,), _SMALL),
          ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", "RTN hessian",
-          dict(_cli_defaults(1000, retry=True), disjoint_holdout=True, train_samples=2048, holdout=2048 // 32),
+          _windows2048(1000),
           (1000,), _SMALL),
          # stories260K still gained in the last fifth of 1,000 steps (W4A16 84.3%): twice the steps
          ("defaults with the lr retry, 2048 windows (learn-scales --steps 2000 --n-samples 2048)", "RTN hessian",
-          dict(_cli_defaults(2000, retry=True), disjoint_holdout=True, train_samples=2048, holdout=2048 // 32),
+          _windows2048(2000),
           (2000,), {"stories260k/w4a16", "stories260k/w4a4"}),
          # W4A4 from each small model's better start (stories260K: GPTQ hessian, 45%; the MoE: 4/6 on the activations, 25%)
          ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", GH,
-          dict(_cli_defaults(1000, retry=True), disjoint_holdout=True, train_samples=2048, holdout=2048 // 32),
+          _windows2048(1000),
           (1000,), {"stories260k/w4a4"}),
          ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", A46,
-          dict(_cli_defaults(1000, retry=True), disjoint_holdout=True, train_samples=2048, holdout=2048 // 32),
+          _windows2048(1000),
           (1000,), {"moe-3m/w4a4"})]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)
