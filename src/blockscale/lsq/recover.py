@@ -153,8 +153,9 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
     """Learn the block scales of the PTQ-quantized ``student`` (in place) by distillation from ``teacher``.
 
     In order: ``enable(student, init="stored", weights=weights, ...)`` with ``config``'s options (its
-    ValueError becomes a ``ScaleSetupError``), ``on_enabled(student)``, the training windows (``tokens``: an
-    integer tensor [n, T], or a function drawing them, called here; the last ``config.holdout`` of them held
+    ValueError becomes a ``ScaleSetupError``; a ``weights`` dict is emptied once enable has copied it, e.g.
+    ``QuantizedStudent.weights``: its tensors are not held through training), ``on_enabled(student)``, the
+    training windows (``tokens``: an integer tensor [n, T], or a function drawing them, called here; the last ``config.holdout`` of them held
     out to choose the step: draw them apart from the others, ``calibration_batches(..., holdout=...)``, so that
     no held-out token is trained on), ``evaluate(student, "before")``,
     ``lsq.distill`` (``resume`` / ``record`` / ``force`` / ``progress`` as there), ``evaluate(student,
@@ -171,6 +172,8 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
                    weight_units=config.weight_units)
         except ValueError as err:
             raise ScaleSetupError(str(err)) from err
+        if isinstance(weights, dict):  # enable cloned them into the LSQ layers: handed over, not held through training
+            weights.clear()            # (one more FP32 copy of every quantized weight: 1.4 GB on a 0.5B model)
     if on_enabled is not None:
         on_enabled(student)
     if callable(tokens):
