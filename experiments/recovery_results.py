@@ -277,23 +277,16 @@ def _windows2048(steps: int) -> dict:
 RUNS += [("defaults with the lr retry (learn-scales --steps 1000)", "RTN hessian", _cli_defaults(1000, retry=True),
           (1000,), _SMALL),
          ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", "RTN hessian",
-          _windows2048(1000),
-          (1000,), _SMALL),
+          _windows2048(1000), (1000,), _SMALL),
          # stories260K still gained in the last fifth of 1,000 steps (W4A16 84.3%): twice the steps
          ("defaults with the lr retry, 2048 windows (learn-scales --steps 2000 --n-samples 2048)", "RTN hessian",
-          _windows2048(2000),
-          (2000,), {"stories260k/w4a16", "stories260k/w4a4"}),
-         # W4A4 from each small model's better start (stories260K: GPTQ hessian, 45%; the MoE: 4/6 on the activations, 25%)
-         ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", GH,
-          _windows2048(1000),
-          (1000,), {"stories260k/w4a4"}),
-         ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", A46,
-          _windows2048(1000),
-          (1000,), {"moe-3m/w4a4"}),
-         # stories260K W4A16 from its best 50-step start (AWQ + GPTQ hessian 73.4% vs RTN hessian 65.6%; 84.3% after
-         # 1,000 steps from RTN hessian), eighteenth stop
-         ("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", AGH,
-          _windows2048(1000), (1000,), {"stories260k/w4a16"})]
+          _windows2048(2000), (2000,), {"stories260k/w4a16", "stories260k/w4a4"})]
+# the same 1,000 steps on 2,048 windows from each small model's better start: W4A4 (stories260K: GPTQ hessian, 45%;
+# the MoE: 4/6 on the activations, 25%) and stories260K W4A16 from its best 50-step start (AWQ + GPTQ hessian 73.4%
+# vs RTN hessian 65.6%; eighteenth stop)
+RUNS += [("defaults with the lr retry, 2048 windows (learn-scales --steps 1000 --n-samples 2048)", start,
+          _windows2048(1000), (1000,), {where})
+         for start, where in ((GH, "stories260k/w4a4"), (A46, "moe-3m/w4a4"), (AGH, "stories260k/w4a16"))]
 # Qwen W4A4 from GPTQ+4/6 (aware) reached 73.9%: that start with Four Over Six on the activations too (on SmolLM2
 # the activations' 4/6 gave +0.8 points after learning, twelfth stop)
 RUNS += [("defaults with the lr retry (learn-scales --steps 50)", G46A46, _RETRY50, (50,),

@@ -155,9 +155,9 @@ def recover(student: nn.Module, teacher: nn.Module, tokens: Union[torch.Tensor, 
     In order: ``enable(student, init="stored", weights=weights, ...)`` with ``config``'s options (its
     ValueError becomes a ``ScaleSetupError``; a ``weights`` dict is emptied once enable has copied it, e.g.
     ``QuantizedStudent.weights``: its tensors are not held through training), ``on_enabled(student)``, the
-    training windows (``tokens``: an integer tensor [n, T], or a function drawing them, called here; the last ``config.holdout`` of them held
-    out to choose the step: draw them apart from the others, ``calibration_batches(..., holdout=...)``, so that
-    no held-out token is trained on), ``evaluate(student, "before")``,
+    training windows (``tokens``: an integer tensor [n, T], or a function drawing them, called here; the last
+    ``config.holdout`` of them held out to choose the step: draw them apart from the others,
+    ``calibration_batches(..., holdout=...)``, so that no held-out token is trained on), ``evaluate(student, "before")``,
     ``lsq.distill`` (``resume`` / ``record`` / ``force`` / ``progress`` as there), ``evaluate(student,
     "after")`` and ``freeze(student)``. Under torchrun only rank 0 evaluates and freezes (``main_rank``).
     A run that diverges raises ``train.TrainingDivergedError``.
