@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         tokens = rr.calibration_batches(lm.tokenizer, d.calib, spec["train_samples"], spec["train_seq_len"], seed=1,
                                         bos=d.calib_bos)
         rr.run_lsq(lm, spec, d, res, out, tokens, f"defaults [{name}] | w4a4", args.start,
-                   rr._cli_defaults(50, retry=True), (50,), "w4a4", keep=False)
+                   rr.cli_defaults(50, retry=True), (50,), "w4a4", keep=False)
     return 0
 
 

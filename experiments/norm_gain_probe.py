@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                                     bos=d.calib_bos)
     name = f"norms {args.units} {args.lr:g}" if args.lr > 0 else "no norms"
     rr.run_lsq(lm, spec, d, rr.Results(out), out, tokens, f"{name} [{args.start}] | {args.activations}", args.start,
-               rr._cli_defaults(args.steps, retry=True), (args.steps,), args.activations)
+               rr.cli_defaults(args.steps, retry=True), (args.steps,), args.activations)
     return 0
 
 

@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         _FACTOR["lr_factor"] = f
         name = f"smoothing x{f:g}" if f > 0 else "no smoothing"
         rr.run_lsq(lm, spec, d, rr.Results(out), out, tokens, f"{name} [{args.start}] | {args.activations}",
-                   args.start, rr._cli_defaults(args.steps, retry=True), (args.steps,), args.activations,
+                   args.start, rr.cli_defaults(args.steps, retry=True), (args.steps,), args.activations,
                    keep=i < len(args.lr_factor) - 1)
     return 0
 
