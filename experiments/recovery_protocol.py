@@ -192,14 +192,21 @@ RUNS += [(f"defaults with the lr retry, ce-weight {w:g} (learn-scales --ce-weigh
                            ("GPTQ+4/6 (aware)", {"qwen2.5-coder-0.5b/w4a16"}))]
 # longer training windows, the same training tokens (512 x 128 in 128 windows of 512; 512 tokens a step): do the
 # 128-token windows cap recovery on a 1024-token evaluation? (learn-scales --batch-size 1 --seq-len 512)
-RUNS += [("defaults with the lr retry, 1 x 512-token windows (learn-scales --batch-size 1 --seq-len 512 --steps 50)",
-          "RTN hessian", dict(_RETRY50, batch_size=1, seq_len=512), (50,),
-          {"smollm2-135m/w4a16", "smollm2-135m/w4a4", "stories260k/w4a16", "stories260k/w4a4"})]
+
+
+def _windows512(start: str, steps: int, where: set) -> tuple:
+    """The run of ``learn-scales --batch-size 1 --seq-len 512 --steps STEPS`` (its lr retry) from ``start``."""
+    return (f"defaults with the lr retry, 1 x 512-token windows (learn-scales --batch-size 1 --seq-len 512 --steps "
+            f"{steps})", start, dict(cli_defaults(steps, retry=True), batch_size=1, seq_len=512), (steps,), where)
+
+
+RUNS += [_windows512("RTN hessian", 50,
+                     {"smollm2-135m/w4a16", "smollm2-135m/w4a4", "stories260k/w4a16", "stories260k/w4a4"})]
 # W4A4: the best start with Four Over Six on the activations too, and that start with the longer windows (issue 32's
-# 75%: the activations' own rounding is a third of SmolLM2's W4A4 gap, experiments/w4a4_floor.py)
+# 75%: the activations' own rounding is a third of SmolLM2's W4A4 gap, experiments/w4a4_floor.py); its 50 steps gave
+# 73.8% (step 40 kept), 0.17 ppl short of 75%, and from RTN hessian 100 steps gained 2.5 points over 50: 100 steps too
 RUNS += [("defaults with the lr retry (learn-scales --steps 50)", AGH46, _RETRY50, (50,), {"smollm2-135m/w4a4"}),
-         ("defaults with the lr retry, 1 x 512-token windows (learn-scales --batch-size 1 --seq-len 512 --steps 50)",
-          AGH46, dict(_RETRY50, batch_size=1, seq_len=512), (50,), {"smollm2-135m/w4a4"})]
+         *(_windows512(AGH46, n, {"smollm2-135m/w4a4"}) for n in (50, 100))]
 # 200 steps from AWQ + GPTQ hessian kept step 40 (W4A16): the held-out loss rose after it while the training loss fell.
 # Repeated windows? Four times the windows (2,048 x 128 tokens; 800 drawn in 200 steps), the held-out ones from a
 # part of the text of their own (as learn-scales draws them since the thirteenth stop). Its lr retry (a third of the
@@ -261,7 +268,3 @@ TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (whe
 LR_SWEEP = {"stories260k": ((1e-2, LR_WEIGHTS), (3e-3, LR_WEIGHTS), (3e-3, 1e-4), (3e-3, 3e-4), (3e-3, 2e-5)),
             "smollm2-135m": ((1e-2, LR_WEIGHTS), (3e-3, 1e-4))}
 
-# SmolLM2's best W4A4 (73.8%: 50 steps of 1 x 512-token windows from AWQ + GPTQ hessian, activations 4/6, step 40
-# kept) is 0.17 ppl short of 75%; from RTN hessian 100 steps gained 2.5 points over 50 in W4A4: the same at 100 steps
-RUNS += [("defaults with the lr retry, 1 x 512-token windows (learn-scales --batch-size 1 --seq-len 512 --steps 100)",
-          AGH46, dict(cli_defaults(100, retry=True), batch_size=1, seq_len=512), (100,), {"smollm2-135m/w4a4"})]
