@@ -119,6 +119,44 @@ class Results:
         print(json.dumps(row), flush=True)
 
 
+def training_windows(lm, spec, d, s: dict, default: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The training windows of a run with settings ``s`` (its held-out ones still among them: ``lsq.split_holdout``
+    takes them off the end): ``default`` (the model's windows, drawn once per process) unless the run asks for
+    the same training tokens in longer windows, more windows, or the held-out windows from a part of the text of
+    their own (the rows before 2026-12-06's thirteenth stop drew them among the training windows)."""
+    L, n = s.get("seq_len", spec["train_seq_len"]), s.get("train_samples", spec["train_samples"])
+    if default is not None and (L, n) == (spec["train_seq_len"], spec["train_samples"]) and not s.get("disjoint_holdout"):
+        return default
+    return calibration_batches(lm.tokenizer, d.calib, n * spec["train_seq_len"] // L, L, seed=1, bos=d.calib_bos,
+                               holdout=s.get("holdout", 0) if s.get("disjoint_holdout") else 0)
+
+
+def distill_config(s: dict, spec, steps: int, schedule_steps: int, out_dir, selecting: bool) -> lsq.DistillConfig:
+    """The ``lsq.DistillConfig`` of a run with settings ``s`` up to ``steps`` of its ``schedule_steps``-step
+    schedule; ``selecting``: with held-out windows (best-step selection on the distillation loss, the lr retry)."""
+    return lsq.DistillConfig(steps=steps, lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]),
+                             seq_len=s.get("seq_len", spec["train_seq_len"]), lr_schedule=s["schedule"],
+                             warmup_steps=s["warmup"], schedule_steps=schedule_steps,
+                             lr_pre_factor=s.get("lr_pre_factor", 1.0), train=s.get("train", "scales"),
+                             lr_weights=s.get("lr_weights", 1e-5), min_lr_ratio=0.0, seed=0, out_dir=str(out_dir),
+                             log_every=10, keep_best=selecting, eval_loss="distill" if selecting else "next_token",
+                             eval_every=s.get("select_every", 0) if selecting else 0, ckpt_every=0,
+                             lr_retries=s.get("lr_retries", 0) if selecting else 0, ce_weight=s.get("ce_weight", 0.0))
+
+
+def lsq_student(lm, start: str, acts: str, s: dict, spec, d, keep: bool = True):
+    """(student, PTQ seconds, latent weights dequantized, latent weights in all): the ``start`` quantization
+    (``_quantized``) made trainable with the settings ``s`` (``lsq.enable``, init "stored"), its latent weights the
+    full-precision (transformed) weights PTQ rounded where they reproduce its codes (``lsq.exact_latent_weights``)."""
+    student, ptq_s, latent = _quantized(lm, start, acts, spec, d, keep=keep)
+    weights, dequantized = lsq.exact_latent_weights(student, latent)
+    lsq.enable(student, mode=s["mode"], init="stored", weights=weights, param=s["param"], dual_form=s["dual_form"],
+               learn_input_scales=s.get("learn_input_scales", False), weight_units=s.get("weight_units", "raw"))
+    n = len(weights)
+    del weights, latent  # cloned into the LSQ layers: up to two more FP32 copies (2.9 GB on Qwen2.5-0.5B) not held
+    return student, ptq_s, len(dequantized), n
+
+
 def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts, keep: bool = True):
     """One learned-scale run: PTQ start (the ``start`` quantization, exactly), lsq.enable with the settings,
     distill to each milestone of one schedule of ``milestones[-1]`` steps, evaluating at each. ``keep``: keep the
@@ -127,33 +165,13 @@ def run_lsq(lm, spec, d, res, out, tokens, key, start, s, milestones, acts, keep
     todo = [m for m in milestones if res.get(f"{key}@{m}") is None]
     if not todo:
         return
-    L, n = s.get("seq_len", spec["train_seq_len"]), s.get("train_samples", spec["train_samples"])
-    if (L, n) != (spec["train_seq_len"], spec["train_samples"]) or s.get("disjoint_holdout"):
-        # the same training tokens in longer windows, more windows, or the held-out windows from a part of the text
-        # of their own (the rows before 2026-12-06's thirteenth stop drew them among the training windows)
-        tokens = calibration_batches(lm.tokenizer, d.calib, n * spec["train_seq_len"] // L, L, seed=1,
-                                     bos=d.calib_bos, holdout=s.get("holdout", 0) if s.get("disjoint_holdout") else 0)
-    student, ptq_s, latent = _quantized(lm, start, acts, spec, d, keep=keep)
-    # latent weights: the full-precision (transformed) weights PTQ rounded where they reproduce its codes
-    weights, dequantized = lsq.exact_latent_weights(student, latent)
-    lsq.enable(student, mode=s["mode"], init="stored", weights=weights, param=s["param"], dual_form=s["dual_form"],
-               learn_input_scales=s.get("learn_input_scales", False), weight_units=s.get("weight_units", "raw"))
-    n_dequantized, n_latent = len(dequantized), len(weights)
-    del weights, latent  # cloned into the LSQ layers: up to two more FP32 copies (2.9 GB on Qwen2.5-0.5B) not held
+    tokens = training_windows(lm, spec, d, s, tokens)
+    student, ptq_s, n_dequantized, n_latent = lsq_student(lm, start, acts, s, spec, d, keep=keep)
     tokens, held = lsq.split_holdout(tokens, s.get("holdout", 0))  # held-out windows choose the step
     if s.get("lr_retries") and len(milestones) > 1:
         raise SystemExit(f"run {key!r}: lr_retries needs one milestone (a retry restarts the schedule)")
     for m in milestones:
-        cfg = lsq.DistillConfig(steps=m, lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]),
-                                seq_len=s.get("seq_len", spec["train_seq_len"]), lr_schedule=s["schedule"],
-                                warmup_steps=s["warmup"],
-                                schedule_steps=milestones[-1], lr_pre_factor=s.get("lr_pre_factor", 1.0),
-                                train=s.get("train", "scales"), lr_weights=s.get("lr_weights", 1e-5),
-                                min_lr_ratio=0.0, seed=0, out_dir=str(out / "train" / _dirname(key)), log_every=10,
-                                keep_best=held is not None, eval_loss="distill" if held is not None else "next_token",
-                                eval_every=s.get("select_every", 0) if held is not None else 0,
-                                ckpt_every=0, lr_retries=s.get("lr_retries", 0) if held is not None else 0,
-                                ce_weight=s.get("ce_weight", 0.0))
+        cfg = distill_config(s, spec, m, milestones[-1], out / "train" / _dirname(key), selecting=held is not None)
         t = time.time()
         r = lsq.distill(student, lm.model, tokens, cfg, eval_tokens=held, resume=True, progress=False)
         train_s = time.time() - t

@@ -29,34 +29,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery_results import (RUNS, _ppl, _quantized, model_and_texts, probe_parser)  # noqa: E402
+from recovery_results import (_ppl, _quantized, _runs, distill_config, lsq_student, model_and_texts,  # noqa: E402
+                              probe_parser, training_windows)
+from scipy.stats import spearmanr  # noqa: E402
 
 from blockscale import lsq  # noqa: E402
-from blockscale.data.text_sources import calibration_batches  # noqa: E402
 from blockscale.lsq.distill import eval_distill_loss  # noqa: E402
 
 SIGNALS = ("heldout_distill", "heldout_next_token")
-
-
-def spearman(a, b) -> float:
-    """Spearman's rank correlation of two equal-length sequences (average ranks for ties)."""
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(x):
-            j = i
-            while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
-    return cov / (va * vb) ** 0.5 if va and vb else float("nan")
 
 
 def summary(rows: list[dict], gap: tuple[float, float]) -> str:
@@ -74,7 +54,7 @@ def summary(rows: list[dict], gap: tuple[float, float]) -> str:
     out.append("")
     for s in SIGNALS:
         kept = min(rows, key=lambda r: (r[s], r["step"]))
-        out.append(f"- {s}: Spearman {spearman([r[s] for r in rows], ppl):+.2f} with the perplexity; keeps step "
+        out.append(f"- {s}: Spearman {spearmanr([r[s] for r in rows], ppl)[0]:+.2f} with the perplexity; keeps step "
                    f"{kept['step']} ({kept['ppl']:.4f}, {share(kept['ppl']):.1f}%)")
     out.append(f"- the lowest perplexity of the run: step {best['step']} ({best['ppl']:.4f}, {share(best['ppl']):.1f}%)")
     return "\n".join(out)
@@ -87,10 +67,16 @@ def main(argv=None) -> int:
     ap.add_argument("--points", type=int, default=10, help="evaluations after the start, evenly spaced (default 10)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    match = [(s, m) for name, _, s, m, _ in RUNS if name == args.run]
+    runs = [(st, s, m) for name, st, s, m in _runs(args.model, args.activations) if name == args.run]
+    if not runs:
+        ap.error(f"--run {args.run!r}: not a run of recovery_protocol.RUNS for --model {args.model} "
+                 f"--activations {args.activations}")
+    match = [(s, m) for st, s, m in runs if st == args.start]
     if not match:
-        ap.error(f"--run {args.run!r}: not a run of recovery_protocol.RUNS")
+        ap.error(f"--start {args.start!r}: --run {args.run!r} starts from one of {sorted({st for st, _, _ in runs})}")
     s, milestones = match[0]
+    if not s.get("holdout"):
+        ap.error(f"--run {args.run!r} holds no windows out (its settings have no holdout): choose a run that does")
     steps = milestones[-1]
     if args.points < 1 or steps % args.points:
         ap.error(f"--points {args.points}: must divide the run's {steps} steps")
@@ -100,28 +86,17 @@ def main(argv=None) -> int:
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     spec, lm, d = model_and_texts(args.model)
     torch.manual_seed(0)
-    L, n = s.get("seq_len", spec["train_seq_len"]), s.get("train_samples", spec["train_samples"])
-    tokens = calibration_batches(lm.tokenizer, d.calib, n * spec["train_seq_len"] // L, L, seed=1, bos=d.calib_bos,
-                                 holdout=s.get("holdout", 0) if s.get("disjoint_holdout") else 0)
-    student, _, latent = _quantized(lm, args.start, args.activations, spec, d, keep=False)
-    weights, _ = lsq.exact_latent_weights(student, latent)
-    lsq.enable(student, mode=s["mode"], init="stored", weights=weights, param=s["param"], dual_form=s["dual_form"],
-               learn_input_scales=s.get("learn_input_scales", False), weight_units=s.get("weight_units", "raw"))
-    del weights, latent
+    tokens = training_windows(lm, spec, d, s)
+    student, _, _, _ = lsq_student(lm, args.start, args.activations, s, spec, d, keep=False)
     tokens, held = lsq.split_holdout(tokens, s["holdout"])
-    base = dict(lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]), seq_len=L,
-                lr_schedule=s["schedule"], warmup_steps=s["warmup"], schedule_steps=steps,
-                lr_pre_factor=s.get("lr_pre_factor", 1.0), train=s.get("train", "scales"),
-                lr_weights=s.get("lr_weights", 1e-5), min_lr_ratio=0.0, seed=0, out_dir=str(out / "train"),
-                log_every=10, ckpt_every=0, ce_weight=s.get("ce_weight", 0.0))
     done = {r["step"] for r in rows}
     for m in [0] + [steps * (i + 1) // args.points for i in range(args.points)]:
         if m in done:  # (the next point's run resumes from the last done point's checkpoint)
             continue
         t = time.time()
+        cfg = distill_config(s, spec, max(m, 1), steps, out / "train", selecting=False)  # no selection: every point
         if m:
-            lsq.distill(student, lm.model, tokens, lsq.DistillConfig(steps=m, **base), resume=True, progress=False)
-        cfg = lsq.DistillConfig(steps=max(m, 1), **base)
+            lsq.distill(student, lm.model, tokens, cfg, resume=True, progress=False)
         with torch.no_grad():
             row = {"step": m, "heldout_distill": eval_distill_loss(student, lm.model, held, cfg),
                    "heldout_next_token": lsq.eval_next_token_loss(student, held, cfg.batch_size),
