@@ -133,12 +133,12 @@ def training_windows(lm, spec, d, s: dict, default: Optional[torch.Tensor] = Non
 
 def distill_config(s: dict, spec, steps: int, schedule_steps: int, out_dir, selecting: bool) -> lsq.DistillConfig:
     """The ``lsq.DistillConfig`` of a run with settings ``s`` up to ``steps`` of its ``schedule_steps``-step
-    schedule; ``selecting``: with held-out windows (best-step selection on the distillation loss, the lr retry)."""
+    schedule (``decay_steps`` in ``s``: the schedule ends there, then ``min_lr_ratio`` of the lr to the end); ``selecting``: with held-out windows (best-step selection on the distillation loss, the lr retry)."""
     return lsq.DistillConfig(steps=steps, lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]),
                              seq_len=s.get("seq_len", spec["train_seq_len"]), lr_schedule=s["schedule"],
-                             warmup_steps=s["warmup"], schedule_steps=schedule_steps,
+                             warmup_steps=s["warmup"], schedule_steps=s.get("decay_steps", schedule_steps),
                              lr_pre_factor=s.get("lr_pre_factor", 1.0), train=s.get("train", "scales"),
-                             lr_weights=s.get("lr_weights", 1e-5), min_lr_ratio=0.0, seed=0, out_dir=str(out_dir),
+                             lr_weights=s.get("lr_weights", 1e-5), min_lr_ratio=s.get("min_lr_ratio", 0.0), seed=s.get("seed", 0), out_dir=str(out_dir),
                              log_every=10, keep_best=selecting, eval_loss="distill" if selecting else "next_token",
                              eval_every=s.get("select_every", 0) if selecting else 0, ckpt_every=0,
                              lr_retries=s.get("lr_retries", 0) if selecting else 0, ce_weight=s.get("ce_weight", 0.0))
