@@ -269,13 +269,14 @@ RUNS += [("2048 windows, a third of the lr (learn-scales --steps 1000 --n-sample
           "RTN hessian", dict(_windows2048(1000), schedule="linear"), (1000,), {"stories260k/w4a16"}),
          # how far apart are two draws of the same run (the batches' seed)? and a longer low-lr phase: the cosine
          # over 800 steps to 2% of the lr, then 200 steps at 2%
-         *[(f"defaults with the lr retry, 2048 windows, seed {k} (learn-scales --steps 1000 --n-samples 2048 "
-            f"--seed {k})", "RTN hessian", dict(_windows2048(1000), seed=k), (1000,), {"stories260k/w4a16"})
+         # (only the batches' seed: learn-scales --seed also redraws the training windows)
+         *[(f"defaults with the lr retry, 2048 windows, batch seed {k} (learn-scales --steps 1000 --n-samples 2048; "
+            f"DistillConfig(seed={k}))", "RTN hessian", dict(_windows2048(1000), seed=k), (1000,), {"stories260k/w4a16"})
            for k in (1, 2)],
          ("2048 windows, the cosine over 800 steps to 2% of the lr, then 200 steps at 2%", "RTN hessian",
           dict(_windows2048(1000), decay_steps=800, min_lr_ratio=0.02), (1000,), {"stories260k/w4a16"})]
 # SmolLM2's best W4A16 with the defaults (81.1%, 100 steps from RTN hessian) drawn with two more batch seeds
-RUNS += [(f"defaults with the lr retry, seed {k} (learn-scales --steps 100 --seed {k})", "RTN hessian",
+RUNS += [(f"defaults with the lr retry, batch seed {k} (learn-scales --steps 100; DistillConfig(seed={k}))", "RTN hessian",
           dict(cli_defaults(100, retry=True), seed=k), (100,), {"smollm2-135m/w4a16"}) for k in (1, 2)]
 TUNING_MODELS = ("smollm2-135m", "stories260k")  # the runs for every model (where None) run on these only
 # learning rates of the pipeline, 50 steps each from the W4A16 start: (lr scales, lr weights)

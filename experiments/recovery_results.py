@@ -65,6 +65,21 @@ def probe_parser(doc: str) -> argparse.ArgumentParser:
 
 
 
+def protocol_run(ap: argparse.ArgumentParser, args) -> tuple[dict, tuple]:
+    """(settings, milestones) of the run ``args.run`` from ``args.start`` for ``args.model`` / ``args.activations``
+    (the probes' ``--run``); one argparse error when it is not in the protocol or holds no windows out."""
+    runs = [(st, s, m) for name, st, s, m in _runs(args.model, args.activations) if name == args.run]
+    if not runs:
+        ap.error(f"--run {args.run!r}: not a run of recovery_protocol.RUNS for --model {args.model} "
+                 f"--activations {args.activations}")
+    match = [(s, m) for st, s, m in runs if st == args.start]
+    if not match:
+        ap.error(f"--start {args.start!r}: --run {args.run!r} starts from one of {sorted({st for st, _, _ in runs})}")
+    if not match[0][0].get("holdout"):
+        ap.error(f"--run {args.run!r} holds no windows out (its settings have no holdout): choose a run that does")
+    return match[0]
+
+
 def model_and_texts(model: str):
     """(spec, loaded model, texts) of ``MODELS[model]``, as ``run_all`` uses them (for the diagnosis scripts)."""
     spec = MODELS[model]
@@ -133,12 +148,14 @@ def training_windows(lm, spec, d, s: dict, default: Optional[torch.Tensor] = Non
 
 def distill_config(s: dict, spec, steps: int, schedule_steps: int, out_dir, selecting: bool) -> lsq.DistillConfig:
     """The ``lsq.DistillConfig`` of a run with settings ``s`` up to ``steps`` of its ``schedule_steps``-step
-    schedule (``decay_steps`` in ``s``: the schedule ends there, then ``min_lr_ratio`` of the lr to the end); ``selecting``: with held-out windows (best-step selection on the distillation loss, the lr retry)."""
+    schedule (``decay_steps`` in ``s``: the schedule ends there, then ``min_lr_ratio`` of the lr to the end);
+    ``selecting``: with held-out windows (best-step selection on the distillation loss, the lr retry)."""
     return lsq.DistillConfig(steps=steps, lr_scales=s["lr"], batch_size=s.get("batch_size", spec["batch_size"]),
                              seq_len=s.get("seq_len", spec["train_seq_len"]), lr_schedule=s["schedule"],
                              warmup_steps=s["warmup"], schedule_steps=s.get("decay_steps", schedule_steps),
                              lr_pre_factor=s.get("lr_pre_factor", 1.0), train=s.get("train", "scales"),
-                             lr_weights=s.get("lr_weights", 1e-5), min_lr_ratio=s.get("min_lr_ratio", 0.0), seed=s.get("seed", 0), out_dir=str(out_dir),
+                             lr_weights=s.get("lr_weights", 1e-5), min_lr_ratio=s.get("min_lr_ratio", 0.0),
+                             seed=s.get("seed", 0), out_dir=str(out_dir),
                              log_every=10, keep_best=selecting, eval_loss="distill" if selecting else "next_token",
                              eval_every=s.get("select_every", 0) if selecting else 0, ckpt_every=0,
                              lr_retries=s.get("lr_retries", 0) if selecting else 0, ce_weight=s.get("ce_weight", 0.0))

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery_results import (_ppl, _quantized, _runs, distill_config, lsq_student, model_and_texts,  # noqa: E402
-                              probe_parser, training_windows)
+from recovery_results import (_ppl, _quantized, distill_config, lsq_student, model_and_texts,  # noqa: E402
+                              probe_parser, protocol_run, training_windows)
 from scipy.stats import spearmanr  # noqa: E402
 
 from blockscale import lsq  # noqa: E402
@@ -67,16 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--points", type=int, default=10, help="evaluations after the start, evenly spaced (default 10)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    runs = [(st, s, m) for name, st, s, m in _runs(args.model, args.activations) if name == args.run]
-    if not runs:
-        ap.error(f"--run {args.run!r}: not a run of recovery_protocol.RUNS for --model {args.model} "
-                 f"--activations {args.activations}")
-    match = [(s, m) for st, s, m in runs if st == args.start]
-    if not match:
-        ap.error(f"--start {args.start!r}: --run {args.run!r} starts from one of {sorted({st for st, _, _ in runs})}")
-    s, milestones = match[0]
-    if not s.get("holdout"):
-        ap.error(f"--run {args.run!r} holds no windows out (its settings have no holdout): choose a run that does")
+    s, milestones = protocol_run(ap, args)
     steps = milestones[-1]
     if args.points < 1 or steps % args.points:
         ap.error(f"--points {args.points}: must divide the run's {steps} steps")

@@ -28,8 +28,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery_results import (_ppl, _quantized, _runs, distill_config, lsq_student, model_and_texts,  # noqa: E402
-                              probe_parser, training_windows)
+from recovery_results import (_ppl, _quantized, distill_config, lsq_student, model_and_texts,  # noqa: E402
+                              probe_parser, protocol_run, training_windows)
 
 from blockscale import lsq  # noqa: E402
 from blockscale.lsq.distill import eval_distill_loss  # noqa: E402
@@ -40,7 +40,7 @@ TAILS = (0.1, 0.25, 0.5)
 
 class Averages:
     """Running averages of the tensors an optimizer steps: ``ema:D`` and ``tail:F`` (see the module doc); ``update``
-    after each optimizer step (0-based ``step`` of a ``steps``-step schedule)."""
+    after each of the run's ``steps`` optimizer steps (built after the first: the EMAs start at that iterate)."""
 
     def __init__(self, params: list[torch.Tensor], steps: int):
         self.params, self.steps, self.step = params, steps, 0
@@ -49,8 +49,8 @@ class Averages:
         self.count = {f"tail:{f:g}": 0 for f in TAILS}
 
     @torch.no_grad()
-    def update(self, *_args) -> None:
-        self.step += 1  # iterates 1..steps (built after step 1: the EMAs start there)
+    def update(self) -> None:
+        self.step += 1  # iterates 1..steps
         for d in EMA_DECAYS:
             for a, p in zip(self.avg[f"ema:{d:g}"], self.params):
                 a.mul_(d).add_(p.detach(), alpha=1 - d)
@@ -76,13 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run", required=True, help="a run name of recovery_protocol.RUNS (its settings and length)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    match = [(s, m) for name, st, s, m in _runs(args.model, args.activations) if name == args.run and st == args.start]
-    if not match:
-        ap.error(f"--run {args.run!r} --start {args.start!r}: not a run of recovery_protocol.RUNS for --model "
-                 f"{args.model} --activations {args.activations}")
-    s, milestones = match[0]
-    if not s.get("holdout"):
-        ap.error(f"--run {args.run!r} holds no windows out (its settings have no holdout): choose a run that does")
+    s, milestones = protocol_run(ap, args)
     steps = milestones[-1]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
